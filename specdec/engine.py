@@ -1,0 +1,267 @@
+"""The batched draft -> verify -> accept loop.
+
+One `SpecEngine` per model pair. `generate(prompts, keys)` runs continuous batching over any number
+of token-id prompts: up to `batch_size` rows are active at once; a finished row leaves (swap-remove:
+the last active row moves into its slot) and a waiting prompt is prefilled into the free slot, so
+finished rows stop costing compute and the batch stays full.
+
+Per row and round (S = the row's sequence length; its last token is "pending": emitted but not yet in
+the target's cache):
+  limits = policy.limits()                     how many tokens each row may draft
+  draft  = proposer.propose(limits)            x_1..x_k per row, and q (None for point masses)
+  target forward on [pending, x_1..x_k]        one call scores all k+1 positions, per-row positions
+  verdict = verify(...)                        accepted a, and the recovered / bonus token y
+  emit x_1..x_a, y; cut at a stop token or max_new_tokens; target cache length becomes S + a
+The prompt's last token is the first pending token, so every emitted token comes from a round and
+`generated_tokens <= accepted_tokens + rounds` holds exactly; `method: none` is the same loop with
+k = 0 (one token per target call).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from . import sampling
+from .cache import RaggedKVCache, forward_hidden
+from .config import SampleResult, SamplingParams, SpecConfig, row_seed
+from .models import ModelPair
+from .policy import Slots, make_policy
+from .proposers.base import Draft, Proposer
+from .proposers.draft_model import DraftModelProposer
+from .proposers.prompt_lookup import PromptLookupProposer
+from .verify import verify_greedy, verify_lossless
+
+
+@dataclass
+class _Row:
+    index: int  # position in the caller's prompt list
+    result: SampleResult
+    tokens: list[int]  # prompt + emitted so far (host copy, for prompt lookup and stop checks)
+    generator: torch.Generator | None
+    t0: float
+
+
+class Batch:
+    """The state of the active rows [0, n): token buffer, lengths, per-row records."""
+
+    def __init__(self, engine: "SpecEngine", capacity: int, max_len: int):
+        self.engine = engine
+        self.capacity = capacity
+        self.max_len = max_len
+        self.device = engine.device
+        self.vocab_size = engine.vocab_size
+        self.sampling = engine.sampling
+        self.spec = engine.spec
+        self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
+        self.slots = Slots(capacity, self.device)
+        self.seq_len = self.slots.add("seq_len")
+        self.rows: list[_Row | None] = [None] * capacity
+        self.n = 0
+        self.u_draft = torch.empty((capacity, 0), device=self.device)
+        self.policy = make_policy(self.spec, self.slots)
+        self.target_cache = RaggedKVCache(engine.target, capacity, max_len)
+        self.proposer = engine._make_proposer(self)
+
+    def prefill(self, model, cache: RaggedKVCache, start: int, end: int) -> torch.Tensor:
+        """Cache all but the pending token of rows [start, end); returns their cached lengths."""
+        lengths = self.seq_len[start:end] - 1
+        t = int(lengths.max())
+        if t > 0:
+            positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
+            forward_hidden(model, cache, self.seq[start:end, :t], positions, start, end)
+        return lengths
+
+    def move_row(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        length = int(self.seq_len[src])
+        self.target_cache.move_row(src, dst, length)
+        self.proposer.move_row(src, dst)
+        self.seq[dst, :length] = self.seq[src, :length]
+        self.slots.move(src, dst)
+        self.rows[dst] = self.rows[src]
+
+
+class SpecEngine:
+    def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16):
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if spec.method == "draft_model" and pair.draft is None:
+            raise ValueError("speculation.method draft_model needs models.draft")
+        if spec.verification != "lossless":
+            raise ValueError(f"speculation.verification {spec.verification!r} is not available yet; use lossless")
+        if not 0 <= spec.num_draft_tokens <= spec.max_draft_tokens:
+            raise ValueError("speculation.num_draft_tokens must be between 0 and max_draft_tokens")
+        self.pair = pair
+        self.target = pair.target
+        self.head = pair.target.get_output_embeddings()
+        self.vocab_size = pair.vocab_size
+        self.sampling = sampling_params
+        self.spec = spec
+        self.batch_size = batch_size
+        self.device = pair.device
+        self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
+        models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
+        self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
+        make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
+
+    def _make_proposer(self, batch: Batch) -> Proposer:
+        if self.spec.method == "draft_model":
+            return DraftModelProposer(batch, self.pair.draft)
+        if self.spec.method == "prompt_lookup":
+            return PromptLookupProposer(batch)
+        return Proposer(batch)  # method none: never drafts (limits are 0)
+
+    def _check_prompt(self, prompt) -> str | None:
+        if len(prompt) == 0:
+            return "empty prompt"
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            return f"token id out of range [0, {self.vocab_size})"
+        need = len(prompt) + self.sampling.max_new_tokens
+        if need > self.max_positions:
+            return (f"prompt of {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens} exceeds "
+                    f"the model's {self.max_positions} positions")
+        return None
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], keys: list | None = None) -> list[SampleResult]:
+        """Generate for every prompt; results in input order. Bad prompts become error results."""
+        keys = list(range(len(prompts))) if keys is None else list(keys)
+        if len(keys) != len(prompts):
+            raise ValueError("keys and prompts differ in length")
+        prompts = [list(map(int, p)) for p in prompts]
+        results: list[SampleResult | None] = [None] * len(prompts)
+        todo = []
+        for i, p in enumerate(prompts):
+            reason = self._check_prompt(p)
+            if reason:
+                results[i] = SampleResult.failed(keys[i], len(p), reason)
+            else:
+                todo.append(i)
+        if todo:
+            # longest first: similar lengths run together and the long tail does not trail at the end
+            todo.sort(key=lambda i: -len(prompts[i]))
+            max_len = len(prompts[todo[0]]) + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+            batch = Batch(self, min(self.batch_size, len(todo)), max_len)
+            _Loop(self, batch, prompts, keys, results).run(deque(todo))
+        return results  # type: ignore[return-value]
+
+
+class _Loop:
+    def __init__(self, engine: SpecEngine, batch: Batch, prompts, keys, results):
+        self.e = engine
+        self.b = batch
+        self.prompts = prompts
+        self.keys = keys
+        self.results = results
+        sp, spec = engine.sampling, engine.spec
+        self.max_new = sp.max_new_tokens
+        self.m = spec.max_draft_tokens if spec.method != "none" else 0
+        self.random = not sp.greedy
+
+    def run(self, queue: deque) -> None:
+        b = self.b
+        while queue or b.n:
+            if queue and b.n < b.capacity:
+                self.admit([queue.popleft() for _ in range(min(b.capacity - b.n, len(queue)))])
+            self.step()
+
+    def admit(self, indices: list[int]) -> None:
+        b = self.b
+        start, end = b.n, b.n + len(indices)
+        now = time.perf_counter()
+        for slot, i in zip(range(start, end), indices):
+            p = self.prompts[i]
+            b.seq[slot, : len(p)] = torch.tensor(p, dtype=torch.int64)
+            b.seq_len[slot] = len(p)
+            gen = None
+            if self.random:
+                gen = torch.Generator().manual_seed(row_seed(self.e.sampling.seed, self.keys[i]))
+            b.rows[slot] = _Row(i, SampleResult(key=self.keys[i], prompt_tokens=len(p)), list(p), gen, now)
+        b.prefill(self.e.target, b.target_cache, start, end)
+        b.proposer.admit(start, end)
+        b.policy.admit(start, end)
+        b.n = end
+
+    def step(self) -> None:
+        b, e = self.b, self.e
+        n, dev, m = b.n, b.device, self.m
+        rows = b.rows[:n]
+        remaining = torch.tensor([self.max_new - r.result.generated_tokens for r in rows], device=dev)
+        if m:
+            limits = torch.minimum(b.policy.limits(n).clamp(0, m), remaining - 1)
+        else:
+            limits = torch.zeros(n, dtype=torch.int64, device=dev)
+        if self.random:
+            # a fixed count per row and round: a row's stream does not depend on its batch
+            u = sampling.uniforms([r.generator for r in rows], 2 * m + 1, dev)
+            b.u_draft = u[:, :m]
+        draft: Draft = b.proposer.propose(n, limits) if m else Draft.empty(n, dev)
+        k = draft.tokens.shape[1]
+
+        seq_len = b.seq_len[:n].clone()
+        ar = torch.arange(n, device=dev)
+        pending = b.seq[ar, seq_len - 1]
+        tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
+        positions = (seq_len - 1)[:, None] + torch.arange(k + 1, device=dev)[None, :]
+        hidden = forward_hidden(e.target, b.target_cache, tokens_in, positions, 0, n)
+        logits = e.head(hidden)[..., : e.vocab_size]  # [n, k+1, vocab]
+        if self.random:
+            p = sampling.probs(logits, e.sampling)
+            verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
+        else:
+            verdict = verify_greedy(logits, draft.tokens, draft.lengths)
+
+        # bookkeeping on the host: one transfer per round
+        accepted = verdict.accepted
+        new = torch.cat([draft.tokens, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
+        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
+        write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
+        b.seq[:n].scatter_(1, write_pos, new)
+        b.seq_len[:n] = seq_len + accepted + 1
+        b.proposer.commit(n, seq_len, accepted)
+        b.policy.observe(n, draft.lengths, accepted)
+
+        acc_l, new_l, len_l = accepted.tolist(), new.tolist(), draft.lengths.tolist()
+        finished = []
+        for i, row in enumerate(rows):
+            res = row.result
+            emitted = new_l[i][: acc_l[i] + 1]
+            cut = len(emitted)
+            for j, t in enumerate(emitted):
+                if t in e.stop_ids:
+                    cut = j + 1
+                    res.finish_reason = "stop"
+                    break
+            room = self.max_new - res.generated_tokens
+            if cut >= room:
+                if cut > room or res.finish_reason != "stop":
+                    res.finish_reason = "length"
+                cut = room
+            emitted = emitted[:cut]
+            res.token_ids.extend(emitted)
+            row.tokens.extend(emitted)
+            res.rounds += 1
+            res.draft_forwards += draft.forwards
+            res.draft_lengths.append(len_l[i])
+            res.accept_lengths.append(min(acc_l[i], cut))
+            if res.finish_reason == "stop" or res.generated_tokens >= self.max_new:
+                finished.append(i)
+        for i in reversed(finished):  # descending: the last active row is never a finished one
+            self.retire(i)
+
+    def retire(self, slot: int) -> None:
+        b = self.b
+        row = b.rows[slot]
+        row.result.wall_s = time.perf_counter() - row.t0
+        if row.result.finish_reason not in ("stop", "length"):
+            row.result.finish_reason = "length"
+        self.results[row.index] = row.result
+        last = b.n - 1
+        b.move_row(last, slot)
+        b.rows[last] = None
+        b.n = last

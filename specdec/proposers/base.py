@@ -1,0 +1,41 @@
+"""The proposer seam: what a drafter returns and the calls the engine makes on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [n, K] drafted token ids; padding past a row's length is ignored
+    lengths: torch.Tensor  # [n] tokens proposed per row (0..K)
+    q_probs: torch.Tensor | None  # [n, K, vocab] distributions the tokens were sampled from; None = point mass
+    forwards: int = 0  # draft model forward passes run for this round (the whole batch takes part)
+
+    @classmethod
+    def empty(cls, n: int, device) -> "Draft":
+        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device),
+                   torch.zeros(n, dtype=torch.int64, device=device), None, 0)
+
+
+class Proposer:
+    """Drafts tokens for the active rows [0, n) of a batch (see engine.Batch)."""
+
+    deterministic = True  # q is a point mass on each drafted token
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def admit(self, start: int, end: int) -> None:
+        """Rows [start, end) joined the batch (their prompts are in batch.seq)."""
+
+    def propose(self, n: int, limits: torch.Tensor) -> Draft:
+        raise NotImplementedError
+
+    def commit(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src now lives at dst (swap-remove of a finished row)."""

@@ -1,0 +1,79 @@
+"""Verification rules: which drafted tokens the target accepts, and the token it adds.
+
+Terms (Leviathan et al. 2023; Chen et al. 2023), per row:
+- drafted tokens x_1..x_k (k = that row's draft length this round; padding beyond k is ignored);
+- accepted tokens: the longest prefix that passes the rule;
+- recovered token: at the first rejection, a sample from the residual max(p - q, 0) / sum(...);
+- bonus token: when all k pass, a sample from p_{k+1}.
+Each round emits accepted + 1 tokens. Greedy accepts while x_i == argmax p_i.
+A deterministic proposer (prompt lookup) passes `q_probs=None`: q is a point mass on x_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import sampling
+
+
+@dataclass
+class Verdict:
+    accepted: torch.Tensor  # [n] accepted drafted tokens per row (0..k)
+    next_token: torch.Tensor  # [n] recovered or bonus token
+
+
+def _leading(passed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Length of the all-True prefix of `passed` [n, K], limited to each row's draft length."""
+    k = passed.shape[1]
+    if k == 0:
+        return torch.zeros_like(lengths)
+    valid = torch.arange(k, device=passed.device)[None, :] < lengths[:, None]
+    return (passed & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor) -> Verdict:
+    """target_logits: [n, K+1, vocab]; draft_tokens: [n, K]; lengths: [n]."""
+    best = target_logits.argmax(dim=-1)  # [n, K+1]
+    k = draft_tokens.shape[1]
+    accepted = _leading(draft_tokens == best[:, :k], lengths)
+    next_token = best.gather(1, accepted[:, None]).squeeze(1)
+    return Verdict(accepted, next_token)
+
+
+def verify_lossless(
+    p: torch.Tensor,  # [n, K+1, vocab] processed target distributions, float32
+    draft_tokens: torch.Tensor,  # [n, K]
+    lengths: torch.Tensor,  # [n]
+    q_probs: torch.Tensor | None,  # [n, K, vocab] draft distributions the tokens were sampled from; None = point mass
+    u_accept: torch.Tensor,  # [n, K] uniforms for the acceptance tests
+    u_sample: torch.Tensor,  # [n] uniform for the recovered / bonus token
+) -> Verdict:
+    n, k = draft_tokens.shape
+    rows = torch.arange(n, device=p.device)
+    p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [n, K]
+    if q_probs is None:
+        ratio = p_x  # q(x) = 1
+    else:
+        q_x = q_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
+    accepted = _leading(u_accept[:, :k] <= ratio, lengths)  # accept x_i with probability min(1, p/q)
+
+    base = p[rows, accepted]  # [n, vocab]: p at the first rejected position, or p_{k+1} (bonus)
+    rejected = accepted < lengths
+    if k > 0:
+        at = accepted.clamp(max=k - 1)
+        if q_probs is None:
+            q_at = torch.zeros_like(base).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
+        else:
+            q_at = q_probs[rows, at]
+        residual = (base - q_at).clamp_min_(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        # residual renormalised by its sum (sample() needs no normalisation); p itself if it is all zero
+        residual = torch.where(mass > 0, residual, base)
+        dist = torch.where(rejected[:, None], residual, base)
+    else:
+        dist = base
+    next_token = sampling.sample(dist, u_sample)
+    return Verdict(accepted, next_token)

@@ -1,0 +1,33 @@
+"""Tiny random Llama models for engine tests (made in memory; nothing downloaded)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec.models import ModelPair
+
+
+def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, init: float = 0.3) -> LlamaForCausalLM:
+    # a large init range gives peaked next-token distributions, so greedy ties (which float noise
+    # could flip between batched and unbatched runs) do not occur
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, initializer_range=init,
+                      max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def noisy_copy(model, scale: float, seed: int = 1):
+    torch.manual_seed(seed)
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return m
+
+
+def pair(target, draft=None, stop=()) -> ModelPair:
+    return ModelPair(target, draft, None, tuple(stop), target.config.vocab_size)

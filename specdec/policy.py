@@ -9,6 +9,8 @@ Per-row state lives in `Slots` tensors, which follow rows when finished rows are
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .config import SpecConfig
@@ -39,9 +41,10 @@ class Slots:
 class LengthPolicy:
     uses_draft_probs = False  # keep() reads the draft's probability of its token
 
-    def __init__(self, spec: SpecConfig, slots: Slots):
+    def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         self.spec = spec
         self.slots = slots
+        self.memory = {} if memory is None else memory  # kept by the engine across generate() calls
 
     def admit(self, start: int, end: int) -> None:
         """Rows [start, end) are new."""
@@ -66,8 +69,8 @@ class FixedLength(LengthPolicy):
 class HeuristicLength(LengthPolicy):
     """transformers' schedule: +2 after a fully accepted round, otherwise -1 (at least 1)."""
 
-    def __init__(self, spec: SpecConfig, slots: Slots):
-        super().__init__(spec, slots)
+    def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
+        super().__init__(spec, slots, memory)
         self.k = slots.add("heuristic_k", fill=spec.num_draft_tokens)
 
     def admit(self, start: int, end: int) -> None:
@@ -95,18 +98,81 @@ class ConfidenceLength(LengthPolicy):
         return token_prob >= self.spec.confidence_threshold
 
 
+class GoodputLength(LengthPolicy):
+    """Batch-aware: one draft length K for the batch, chosen to maximise expected emitted tokens per
+    second of the whole batch, K = 0 (no speculation) included.
+
+    Expected tokens of a row with per-token acceptance a and K drafts: (1 - a^(K+1)) / (1 - a).
+    a is each row's own acceptance so far, shrunk towards the batch-wide rate (a Beta prior worth
+    `prior_weight` tokens). Round times are measured, not assumed: an exponential average per
+    (active rows, K); a K not yet timed at this batch size is tried once (cheapest first: never a
+    long exploration at a large batch), and times are refreshed as the job runs.
+    """
+
+    prior_weight = 4.0
+    ema = 0.3
+
+    def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
+        super().__init__(spec, slots, memory)
+        self.drafted = slots.add("goodput_drafted", dtype=torch.float64)
+        self.accepted = slots.add("goodput_accepted", dtype=torch.float64)
+        self.total = self.memory.setdefault("goodput_total", [1.0, 2.0])  # accepted, drafted (weak 0.5 start)
+        self.times: dict[tuple[int, int], float] = self.memory.setdefault("goodput_times", {})
+        self._round: tuple[int, int, float] | None = None
+
+    def admit(self, start: int, end: int) -> None:
+        self.drafted[start:end] = 0
+        self.accepted[start:end] = 0
+
+    def expected_tokens(self, n: int, k: int) -> float:
+        rate = self.total[0] / self.total[1]
+        w = self.prior_weight
+        a = ((self.accepted[:n] + w * rate) / (self.drafted[:n] + w)).clamp(0.0, 0.999)
+        return float(((1 - a ** (k + 1)) / (1 - a)).sum())
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return 1 << (n - 1).bit_length()  # batch sizes timed per power of two
+
+    def choose(self, n: int) -> int:
+        top, b = self.spec.max_draft_tokens, self.bucket(n)
+        for k in range(top + 1):  # time every length once at this batch size, shortest first
+            if (b, k) not in self.times:
+                return k
+        return max(range(top + 1), key=lambda k: self.expected_tokens(n, k) / (self.times[(b, k)] * n / b))
+
+    def limits(self, n: int) -> torch.Tensor:
+        k = self.choose(n)
+        self._round = (self.bucket(n), k, time.perf_counter())
+        return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
+
+    def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+        if self._round is not None:
+            rn, k, t0 = self._round
+            dt = (time.perf_counter() - t0) * rn / n  # as if the bucket were full
+            old = self.times.get((rn, k))
+            self.times[(rn, k)] = dt if old is None else (1 - self.ema) * old + self.ema * dt
+            self._round = None
+        d, a = drafted.to(torch.float64), accepted.to(torch.float64)
+        self.drafted[:n] += d
+        self.accepted[:n] += a
+        self.total[0] += float(a.sum())
+        self.total[1] += float(d.sum())
+
+
 POLICIES: dict[str, type[LengthPolicy]] = {
     "fixed": FixedLength,
     "heuristic": HeuristicLength,
     "confidence": ConfidenceLength,
+    "goodput": GoodputLength,
 }
 
 
-def make_policy(spec: SpecConfig, slots: Slots) -> LengthPolicy:
+def make_policy(spec: SpecConfig, slots: Slots, memory: dict | None = None) -> LengthPolicy:
     try:
         cls = POLICIES[spec.draft_length]
     except KeyError:
         raise ValueError(
             f"speculation.draft_length {spec.draft_length!r} is not available; choose one of {sorted(POLICIES)}"
         ) from None
-    return cls(spec, slots)
+    return cls(spec, slots, memory)

@@ -143,3 +143,19 @@ def test_mismatched_pair_refused(target):
     from specdec.models import PairMismatchError, check_vocab
     with pytest.raises(PairMismatchError, match="output sizes differ"):
         check_vocab(target, tiny_llama(vocab=50), None, None)
+
+
+def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, reference):
+    spec = dict(draft_length="goodput", max_draft_tokens=4)
+    for kind in ("random", "same", "noisy"):
+        results = run(target, drafts[kind], prompts, bs=4, **spec)
+        assert [r.token_ids for r in results] == reference
+        for r in results:
+            check_stats(r)
+    # after timing each length once, a useless draft is switched off and a perfect one is used fully
+    late = lambda rs: [d for r in rs for d in r.draft_lengths[6:]]  # noqa: E731
+    useless = late(run(target, drafts["random"], prompts, bs=4, max_new=60, **spec))
+    perfect = late(run(target, drafts["same"], prompts, bs=4, max_new=60, **spec))
+    assert len(useless) > 100 and len(perfect) > 20
+    assert sum(d == 0 for d in useless) > 0.8 * len(useless)
+    assert sum(d >= 3 for d in perfect) > 0.8 * len(perfect)

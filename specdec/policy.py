@@ -40,6 +40,7 @@ class Slots:
 
 class LengthPolicy:
     uses_draft_probs = False  # keep() reads the draft's probability of its token
+    keep_after_feed = False  # keep() reads the draft's hidden state after the drafted token was fed
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         self.spec = spec
@@ -160,7 +161,36 @@ class GoodputLength(LengthPolicy):
         self.total[1] += float(d.sum())
 
 
+class AcceptanceHeadLength(LengthPolicy):
+    """SpecDec++: draft until 1 - prod_i P_acc(x_i) exceeds `acceptance_head_threshold`, at least
+    `min_tokens` and at most `max_draft_tokens`; P_acc from the trained head on the draft's hidden state."""
+
+    keep_after_feed = True
+    min_tokens = 2
+
+    def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
+        super().__init__(spec, slots, memory)
+        if not spec.acceptance_head_path:
+            raise ValueError("speculation.draft_length acceptance_head needs speculation.acceptance_head.path "
+                             "(make one with `specbatch train-head`)")
+        from .head import AcceptanceHead
+
+        if "head" not in self.memory:
+            self.memory["head"] = AcceptanceHead.load(spec.acceptance_head_path, slots.device)
+        self.head = self.memory["head"]
+        self.survive: torch.Tensor | None = None
+
+    def limits(self, n: int) -> torch.Tensor:
+        self.survive = torch.ones(n, device=self.slots.device)
+        return torch.full((n,), self.spec.max_draft_tokens, dtype=torch.int64, device=self.slots.device)
+
+    def keep(self, step, token_prob, hidden):
+        self.survive = self.survive * self.head.p_accept(hidden)  # P(no rejection so far)
+        return ((1 - self.survive) <= self.spec.acceptance_head_threshold) | (step + 1 < self.min_tokens)
+
+
 POLICIES: dict[str, type[LengthPolicy]] = {
+    "acceptance_head": AcceptanceHeadLength,
     "fixed": FixedLength,
     "heuristic": HeuristicLength,
     "confidence": ConfidenceLength,

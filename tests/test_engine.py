@@ -152,10 +152,24 @@ def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, ref
         assert [r.token_ids for r in results] == reference
         for r in results:
             check_stats(r)
-    # after timing each length once, a useless draft is switched off and a perfect one is used fully
-    late = lambda rs: [d for r in rs for d in r.draft_lengths[6:]]  # noqa: E731
-    useless = late(run(target, drafts["random"], prompts, bs=4, max_new=60, **spec))
-    perfect = late(run(target, drafts["same"], prompts, bs=4, max_new=60, **spec))
-    assert len(useless) > 100 and len(perfect) > 20
-    assert sum(d == 0 for d in useless) > 0.8 * len(useless)
-    assert sum(d >= 3 for d in perfect) > 0.8 * len(perfect)
+    # every draft length was timed once per batch-size bucket, then chosen from the measurements
+    assert any(d == 0 for r in results for d in r.draft_lengths)
+    assert any(d > 0 for r in results for d in r.draft_lengths)
+
+
+@pytest.mark.parametrize("rate,draft_cost,expected", [
+    (0.02, 0.3, 0),  # a useless draft: speculation off
+    (0.98, 0.1, 6),  # a near-perfect cheap draft: the longest length
+    (0.7, 0.2, 3),   # tokens/time: k=2 2.19/1.4=1.56, k=3 2.53/1.6=1.58, k=4 2.77/1.8=1.54
+])
+def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
+    from specdec.policy import GoodputLength, Slots
+    slots = Slots(8, "cpu")
+    memory = {"goodput_times": {(8, k): 1.0 + draft_cost * k for k in range(7)}}
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=6), slots, memory)
+    pol.admit(0, 8)
+    pol.drafted[:8] = 1000.0
+    pol.accepted[:8] = 1000.0 * rate
+    assert pol.choose(8) == expected
+    # an untimed batch-size bucket is explored first, shortest length first
+    assert pol.choose(3) == 0 and pol.bucket(3) == 4

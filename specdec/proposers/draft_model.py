@@ -54,11 +54,13 @@ class DraftModelProposer(Proposer):
         active = limits > 0  # rows still drafting
         lengths = torch.zeros(n, dtype=torch.int64, device=dev)
         tokens, qs = [], []
+        policy = b.policy
+        fed = 0  # drafted tokens fed back into the draft this round
         for step in range(k_max):
             logits = torch.nn.functional.linear(h, self.head_weight, self.head_bias)  # [n, draft_vocab]
             if b.sampling.greedy:
                 x = logits.argmax(-1)
-                q = sampling.probs(logits, b.sampling) if b.policy.uses_draft_probs else None
+                q = sampling.probs(logits, b.sampling) if policy.uses_draft_probs else None
             else:
                 q = sampling.probs(logits, b.sampling)
                 x = sampling.sample(q, b.u_draft[:n, step])
@@ -66,17 +68,25 @@ class DraftModelProposer(Proposer):
             tokens.append(x)
             lengths += active
             token_prob = q.gather(1, x[:, None]).squeeze(1) if q is not None else None
-            keep = b.policy.keep(step, token_prob, h)
-            if keep is not None:
-                active &= keep
             active &= limits > step + 1
+            if not policy.keep_after_feed:
+                keep = policy.keep(step, token_prob, h)
+                if keep is not None:
+                    active &= keep
             if step + 1 == k_max or not bool(active.any()):
                 break
             pos = (seq_len + step)[:, None]  # x_{step+1} sits right after the pending token's run
             h = forward_hidden(self.model, self.cache, x[:, None], pos, 0, n)[:, 0]
             forwards += 1
+            fed += 1
+            if policy.keep_after_feed:  # e.g. the acceptance head reads h after x was fed
+                keep = policy.keep(step, token_prob, h)
+                if keep is not None:
+                    active &= keep
+                if not bool(active.any()):
+                    break
 
-        self.fed_len[:n] = seq_len + len(tokens) - 1  # x_1..x_{m-1} were fed, x_m was not
+        self.fed_len[:n] = seq_len + fed
         k = int(lengths.max())
         draft_tokens = torch.stack(tokens, dim=1)[:, :k]
         q_probs = torch.stack(qs, dim=1)[:, :k] if qs else None

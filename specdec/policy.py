@@ -106,8 +106,9 @@ class GoodputLength(LengthPolicy):
     Expected tokens of a row with per-token acceptance a and K drafts: (1 - a^(K+1)) / (1 - a).
     a is each row's own acceptance so far, shrunk towards the batch-wide rate (a Beta prior worth
     `prior_weight` tokens). Round times are measured, not assumed: an exponential average per
-    (active rows, K); a K not yet timed at this batch size is tried once (cheapest first: never a
-    long exploration at a large batch), and times are refreshed as the job runs.
+    (batch-size bucket, K), refreshed every round. Only 0 and the neighbours of the current choice
+    are tried when untimed (a hill climb, not a sweep), and a bucket not yet timed borrows the
+    nearest bucket's times scaled by batch size.
     """
 
     prior_weight = 4.0
@@ -135,12 +136,27 @@ class GoodputLength(LengthPolicy):
     def bucket(n: int) -> int:
         return 1 << (n - 1).bit_length()  # batch sizes timed per power of two
 
+    def estimate(self, b: int, k: int) -> float | None:
+        """Round time of length k at bucket b (as if full): measured, else scaled from the nearest bucket."""
+        if (b, k) in self.times:
+            return self.times[(b, k)]
+        known = [bb for (bb, kk) in self.times if kk == k]
+        if not known:
+            return None
+        near = min(known, key=lambda bb: abs(bb.bit_length() - b.bit_length()))
+        return self.times[(near, k)] * b / near
+
     def choose(self, n: int) -> int:
         top, b = self.spec.max_draft_tokens, self.bucket(n)
-        for k in range(top + 1):  # time every length once at this batch size, shortest first
-            if (b, k) not in self.times:
+        best = self.memory.get("goodput_best", min(self.spec.num_draft_tokens, top))
+        # explore around the current choice only: no sweep of every length at every batch size
+        for k in sorted({0, best - 1, best, best + 1}):
+            if 0 <= k <= top and self.estimate(b, k) is None:
                 return k
-        return max(range(top + 1), key=lambda k: self.expected_tokens(n, k) / (self.times[(b, k)] * n / b))
+        timed = [k for k in range(top + 1) if self.estimate(b, k) is not None]
+        best = max(timed, key=lambda k: self.expected_tokens(n, k) / (self.estimate(b, k) * n / b))
+        self.memory["goodput_best"] = best
+        return best
 
     def limits(self, n: int) -> torch.Tensor:
         k = self.choose(n)

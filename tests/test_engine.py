@@ -165,11 +165,15 @@ def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, ref
 def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
     from specdec.policy import GoodputLength, Slots
     slots = Slots(8, "cpu")
-    memory = {"goodput_times": {(8, k): 1.0 + draft_cost * k for k in range(7)}}
+    memory = {"goodput_times": {(8, k): 1.0 + draft_cost * k for k in range(7)}, "goodput_best": expected}
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=6), slots, memory)
     pol.admit(0, 8)
     pol.drafted[:8] = 1000.0
     pol.accepted[:8] = 1000.0 * rate
     assert pol.choose(8) == expected
-    # an untimed batch-size bucket is explored first, shortest length first
-    assert pol.choose(3) == 0 and pol.bucket(3) == 4
+    assert memory["goodput_best"] == expected
+    # a batch-size bucket not timed yet borrows bucket 8's times (scaled): same choice, no exploration
+    assert pol.bucket(3) == 4 and pol.choose(3) == expected
+    # with nothing timed, 0 and the neighbours of the current choice are tried first
+    fresh = GoodputLength(SpecConfig(draft_length="goodput", num_draft_tokens=3, max_draft_tokens=6), slots, {})
+    assert fresh.choose(8) == 0

@@ -1,0 +1,316 @@
+"""Local folders and S3 prefixes behind one small interface.
+
+Commits are create-only (`put_if_absent`): a part is written whole under its final name or not at
+all, and an existing part is never overwritten — a raced retry cannot double rows. Local: a temp file
+in the same folder, fsync, then `os.link` (fails if the name exists). S3: a conditional PUT
+(`If-None-Match: *`). S3 credentials and endpoint come only from the standard AWS chain and
+environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, profiles, instance roles); nothing here logs
+them, and botocore's own debug logging is kept off.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import tempfile
+import time
+from urllib.parse import urlparse
+
+for _name in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG output includes credentials
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+INPUT_SUFFIXES = (".jsonl", ".parquet")
+
+
+class StorageError(RuntimeError):
+    """A permanent storage failure (no bucket, access denied, ...): the job stops with this message."""
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+class Storage:
+    def exists(self, name: str) -> bool: ...
+    def read_bytes(self, name: str) -> bytes | None: ...
+    def put_if_absent(self, name: str, data: bytes) -> bool: ...
+    def put(self, name: str, data: bytes) -> None: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, name: str) -> None: ...
+    def uri(self, name: str) -> str: ...
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def exists(self, name):
+        return os.path.exists(self._path(name))
+
+    def read_bytes(self, name):
+        try:
+            with open(self._path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _temp(self, name: str, data: bytes) -> str:
+        path = self._path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def put_if_absent(self, name, data):
+        tmp = self._temp(name, data)
+        try:
+            os.link(tmp, self._path(name))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def put(self, name, data):
+        os.replace(self._temp(name, data), self._path(name))
+
+    def list(self, prefix=""):
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                rel = os.path.relpath(os.path.join(dirpath, f), self.root)
+                if rel.startswith(prefix) and not f.startswith(".tmp-"):
+                    out.append(rel)
+        return sorted(out)
+
+    def delete(self, name):
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def uri(self, name):
+        return self._path(name)
+
+
+# ----------------------------------------------------------------------------------------------- S3
+
+_TRANSIENT_CODES = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
+                    "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
+
+
+def _client():
+    import boto3
+    from botocore.config import Config
+
+    # retries are ours (below), so botocore's own are off and every attempt is counted once
+    return boto3.session.Session().client("s3", config=Config(retries={"max_attempts": 1, "mode": "standard"},
+                                                               connect_timeout=10, read_timeout=60))
+
+
+class _Faults:
+    """Test hook: SPECBATCH_S3_FAULTS="put:2,get:1" makes the next N calls of that kind fail as a 503
+    would, before reaching S3 (counted per process)."""
+
+    def __init__(self):
+        self.left = {}
+        for part in filter(None, os.environ.get("SPECBATCH_S3_FAULTS", "").split(",")):
+            op, _, n = part.partition(":")
+            self.left[op.strip()] = int(n or 1)
+
+    def check(self, op: str) -> None:
+        if self.left.get(op, 0) > 0:
+            self.left[op] -= 1
+            from botocore.exceptions import ClientError
+
+            raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "injected fault"},
+                               "ResponseMetadata": {"HTTPStatusCode": 503}}, op)
+
+
+_faults: _Faults | None = None
+
+
+def _retry(op: str, what: str, fn, kind: str):
+    """Run fn with exponential backoff on transient errors; permanent ones raise StorageError."""
+    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, EndpointConnectionError
+
+    global _faults
+    if _faults is None:
+        _faults = _Faults()
+    attempts = int(os.environ.get("SPECBATCH_S3_MAX_ATTEMPTS", "6"))
+    for attempt in range(1, attempts + 1):
+        try:
+            _faults.check(kind)
+            return fn()
+        except ClientError as exc:
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
+            if not transient or attempt == attempts:
+                raise StorageError(f"S3 {op} {what}: {_explain(code, err.get('Message', ''), what)}") from None
+        except (EndpointConnectionError, ConnectionError, BotoCoreError) as exc:
+            if attempt == attempts:
+                raise StorageError(f"S3 {op} {what}: {type(exc).__name__} after {attempts} attempts") from None
+        time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+
+
+def _explain(code: str, message: str, what: str) -> str:
+    bucket = urlparse(what).netloc
+    if code == "NoSuchBucket":
+        return f"bucket {bucket!r} does not exist"
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+        return f"access denied to bucket {bucket!r} ({code}); check the AWS credentials in the environment"
+    return f"{code} {message}".strip()
+
+
+class S3Storage(Storage):
+    def __init__(self, uri: str):
+        u = urlparse(uri)
+        self.bucket = u.netloc
+        self.prefix = u.path.lstrip("/")
+        if self.prefix and not self.prefix.endswith("/"):
+            self.prefix += "/"
+        self.s3 = _client()
+
+    def _key(self, name):
+        return self.prefix + name
+
+    def uri(self, name):
+        return f"s3://{self.bucket}/{self._key(name)}"
+
+    def exists(self, name):
+        from botocore.exceptions import ClientError
+
+        def head():
+            try:
+                self.s3.head_object(Bucket=self.bucket, Key=self._key(name))
+                return True
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return False
+                raise
+
+        return _retry("HeadObject", self.uri(name), head, "head")
+
+    def read_bytes(self, name):
+        from botocore.exceptions import ClientError
+
+        def get():
+            try:
+                return self.s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
+
+        return _retry("GetObject", self.uri(name), get, "get")
+
+    def put_if_absent(self, name, data):
+        from botocore.exceptions import ClientError
+
+        def put():
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
+                return True
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412",
+                                                                  "ConditionalRequestConflict"):
+                    return False
+                raise
+
+        return _retry("PutObject", self.uri(name), put, "put")
+
+    def put(self, name, data):
+        _retry("PutObject", self.uri(name),
+               lambda: self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data), "put")
+
+    def list(self, prefix=""):
+        def ls():
+            out = []
+            pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+            for page in pages:
+                out.extend(o["Key"][len(self.prefix):] for o in page.get("Contents", []))
+            return sorted(out)
+
+        return _retry("ListObjectsV2", f"s3://{self.bucket}/{self._key(prefix)}", ls, "list")
+
+    def delete(self, name):
+        _retry("DeleteObject", self.uri(name),
+               lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(name)), "delete")
+
+
+class S3Reader(io.RawIOBase):
+    """A seekable read-only file over one S3 object, fetched in ranged GETs (never whole)."""
+
+    def __init__(self, uri: str):
+        u = urlparse(uri)
+        self.bucket, self.key, self._uri = u.netloc, u.path.lstrip("/"), uri
+        self.s3 = _client()
+        head = _retry("HeadObject", uri, lambda: self.s3.head_object(Bucket=self.bucket, Key=self.key), "head")
+        self.size = head["ContentLength"]
+        self.pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buf):
+        if self.pos >= self.size:
+            return 0
+        end = min(self.size, self.pos + len(buf)) - 1
+        rng = f"bytes={self.pos}-{end}"
+        data = _retry("GetObject", self._uri,
+                      lambda: self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=rng)["Body"].read(), "get")
+        n = len(data)
+        buf[:n] = data
+        self.pos += n
+        return n
+
+
+# -------------------------------------------------------------------------------------- entry points
+
+
+def open_storage(uri: str) -> Storage:
+    return S3Storage(uri) if is_s3(uri) else LocalStorage(uri)
+
+
+def list_input_files(uri: str) -> list[str]:
+    """The file or object itself, or every .jsonl/.parquet below a folder or prefix, sorted."""
+    if is_s3(uri):
+        if uri.endswith(INPUT_SUFFIXES):
+            return [uri]
+        st = S3Storage(uri)
+        return [st.uri(n) for n in st.list() if n.endswith(INPUT_SUFFIXES)]
+    if os.path.isfile(uri):
+        return [os.path.abspath(uri)]
+    if not os.path.isdir(uri):
+        raise StorageError(f"input {uri!r} does not exist")
+    return [os.path.join(os.path.abspath(uri), n) for n in LocalStorage(uri).list() if n.endswith(INPUT_SUFFIXES)]
+
+
+def open_input(uri: str, block: int = 8 << 20):
+    """A buffered, seekable binary reader, streamed in `block`-sized ranged reads."""
+    if is_s3(uri):
+        return io.BufferedReader(S3Reader(uri), buffer_size=block)
+    return open(uri, "rb")

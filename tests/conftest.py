@@ -1,0 +1,64 @@
+"""Shared fixtures: a tiny tokenizer + target/draft pair saved as HF folders, and one Ray session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
+         "or had by hot word but what some we can out other were all there when up use your how said an each "
+         "she which do their time if will way about many then them write would like so these her long make "
+         "thing see him two has look more day could go come did number sound no most people my over know "
+         "water than call first who may down side been now find any new work part take get place made live "
+         "where after back little only round man year came show every good me give our under name very").split()
+
+
+def make_tokenizer(folder: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(WORDS)) + list(".,?!:\n"))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(folder: str, vocab: int, layers: int, seed: int, eos: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, initializer_range=0.3,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_id=eos, pad_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """{'target': dir, 'draft': dir}: HF folders with a shared word-level tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
+        folder = str(root / name)
+        tok = make_tokenizer(folder)
+        make_model(folder, len(tok), layers, seed, tok.eos_token_id)
+        out[name] = folder
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded Ray for the whole test session (it takes seconds to start)."""
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,110 @@
+"""The generation worker: a Ray actor that owns one model pair for its whole life.
+
+It builds the pair and the engine once, then turns shards into committed parts: read its rows,
+render prompts (a bad row becomes an error row), generate, decode, write `part-NNNNN.parquet`
+create-only. A row error is data; an engine or process failure propagates so the driver retries the
+shard on a fresh worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.inputs import Shard, read_shard, render_prompt
+from jobs.spec import JobSpec
+from jobs.storage import open_storage
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("completion", pa.string()),
+    ("token_ids", pa.list_(pa.int32())),
+    ("prompt_tokens", pa.int32()),
+    ("generated_tokens", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("error", pa.string()),
+    ("rounds", pa.int32()),
+    ("draft_forwards", pa.int32()),
+    ("drafted_tokens", pa.int32()),
+    ("accepted_tokens", pa.int32()),
+    ("draft_lengths", pa.list_(pa.int16())),
+    ("accept_lengths", pa.list_(pa.int16())),
+    ("acceptance_rate", pa.float64()),
+    ("mean_accepted_length", pa.float64()),
+    ("wall_s", pa.float64()),
+])
+
+
+class GenerationWorker:
+    def __init__(self, spec_data: dict, fault_marker: str | None = None):
+        import torch
+
+        from specdec.engine import SpecEngine
+        from specdec.models import load_pair
+
+        self.spec = JobSpec.model_validate(spec_data)
+        device = "cuda" if torch.cuda.is_available() and self.spec.resources.gpus_per_worker > 0 else "cpu"
+        target, draft = self.spec.model_sources()
+        self.pair = load_pair(target, draft, device)
+        self.tokenizer = self.pair.tokenizer
+        self.engine = SpecEngine(self.pair, self.spec.sampling(), self.spec.spec_config(),
+                                 batch_size=self.spec.resources.batch_size)
+        self.storage = open_storage(self.spec.output.path)
+        self.fault_marker = fault_marker
+
+    def ready(self) -> bool:
+        return True
+
+    def process(self, shard_data: dict) -> dict:
+        t0 = time.perf_counter()
+        shard = Shard(**shard_data)
+        inp = self.spec.input
+        columns = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column) if c]
+        rows = read_shard(shard, columns)
+        ids = [str(r.get(inp.id_column)) for r in rows]
+        prompts, errors = [], {}
+        for i, row in enumerate(rows):
+            try:
+                prompts.append(render_prompt(row, self.tokenizer, inp))
+            except Exception as exc:  # a bad row is that row's error, never the job's
+                prompts.append([])
+                errors[i] = str(exc) or type(exc).__name__
+        todo = [i for i in range(len(rows)) if i not in errors]
+        results = dict(zip(todo, self.engine.generate([prompts[i] for i in todo], [ids[i] for i in todo])))
+        if self.fault_marker and not os.path.exists(self.fault_marker):  # test hook: die mid-shard once
+            open(self.fault_marker, "w").close()
+            os._exit(1)
+        records = []
+        for i, rid in enumerate(ids):
+            if i in errors:
+                rec = {"id": rid, "completion": None, "token_ids": [], "prompt_tokens": 0, "generated_tokens": 0,
+                       "finish_reason": "error", "error": errors[i], "rounds": 0, "draft_forwards": 0,
+                       "drafted_tokens": 0, "accepted_tokens": 0, "draft_lengths": [], "accept_lengths": [],
+                       "acceptance_rate": None, "mean_accepted_length": None, "wall_s": 0.0}
+            else:
+                r = results[i]
+                text = None if r.error else self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+                rec = {"id": rid, "completion": text, **r.stats()}
+            records.append(rec)
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), buf, compression="zstd")
+        data = buf.getvalue()
+        created = self.storage.put_if_absent(shard.part, data)
+        if not created:  # another attempt committed it first: that part stands, ours is dropped
+            data = self.storage.read_bytes(shard.part)
+        ok = [r for r in records if r["finish_reason"] != "error"]
+        return {
+            "shard": shard.index, "part": shard.part, "rows": len(records), "created": created,
+            "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+            "failed": len(records) - len(ok),
+            "generated_tokens": sum(r["generated_tokens"] for r in ok),
+            "drafted_tokens": sum(r["drafted_tokens"] for r in ok),
+            "accepted_tokens": sum(r["accepted_tokens"] for r in ok),
+            "rounds": sum(r["rounds"] for r in ok),
+            "wall_s": time.perf_counter() - t0,
+        }

@@ -1,0 +1,216 @@
+"""End-to-end jobs on a local Ray with tiny models: rows, schema, stats, bad input, resume, retries."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from jobs.cli import main as cli
+from jobs.driver import JobError, run_job
+from jobs.inputs import InputError
+from jobs.spec import ConfigError, load_spec, parse_spec
+
+COLUMNS = ["id", "completion", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error",
+           "rounds", "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths",
+           "acceptance_rate", "mean_accepted_length", "wall_s"]
+TEXTS = ["the water is hot", "he said that the day was long", "how do you make a good name",
+         "write one word", "look at the little man over there and call him back", "she can find it"]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def config(tmp_path, tiny_pair, rows, **over):
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = {
+        "name": "t",
+        "input": {"path": inp, "prompt_column": "prompt", "chat_template": True},
+        "output": {"path": str(tmp_path / "out")},
+        "models": {"target": {"path": tiny_pair["target"], "dtype": "float32"},
+                   "draft": {"path": tiny_pair["draft"], "dtype": "float32"}},
+        "generation": {"max_new_tokens": 12},
+        "speculation": {"method": "draft_model", "num_draft_tokens": 3},
+        "resources": {"num_workers": 2, "batch_size": 4, "shard_size": 3},
+    }
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        cfg[section][name] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), cfg
+
+
+def rows_of(n):
+    return [{"id": f"r{i}", "prompt": TEXTS[i % len(TEXTS)] + " " + " ".join(["the"] * (i % 4))} for i in range(n)]
+
+
+def read_out(folder):
+    table = pq.read_table(str(folder), schema=None)
+    return {r["id"]: r for r in table.to_pylist()}, table
+
+
+def test_job_end_to_end(tmp_path, tiny_pair, ray_session):
+    path, cfg = config(tmp_path, tiny_pair, rows_of(10))
+    summary = run_job(load_spec(path), progress=False)
+    out = tmp_path / "out"
+    names = sorted(os.listdir(out))
+    assert names == ["_SUCCESS", "_manifest.json"] + [f"part-{i:05d}.parquet" for i in range(4)]
+    rows, table = read_out(out)
+    assert table.column_names == COLUMNS
+    assert table.num_rows == 10 and sorted(rows) == sorted(f"r{i}" for i in range(10))
+    for r in rows.values():
+        assert r["finish_reason"] in ("stop", "length") and r["error"] is None
+        assert sum(r["accept_lengths"]) == r["accepted_tokens"]
+        assert sum(r["draft_lengths"]) == r["drafted_tokens"]
+        assert r["generated_tokens"] == len(r["token_ids"]) <= r["accepted_tokens"] + r["rounds"]
+        assert isinstance(r["completion"], str)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["input"]["rows"] == 10 and manifest["num_shards"] == 4
+    assert sum(p["rows"] for p in manifest["parts"].values()) == 10
+    assert summary["rows_committed"] == 10 and summary["rows_failed_this_run"] == 0
+
+    # greedy speculative job output == plain autoregressive job output, token for token
+    path2, _ = config(tmp_path, tiny_pair, rows_of(10), output__path=str(tmp_path / "plain"),
+                      speculation__method="none")
+    run_job(load_spec(path2), progress=False)
+    plain, _ = read_out(tmp_path / "plain")
+    assert {k: r["token_ids"] for k, r in plain.items()} == {k: r["token_ids"] for k, r in rows.items()}
+
+    # a re-run of a finished job changes nothing
+    before = {n: (out / n).stat().st_mtime_ns for n in names if n.startswith("part-")}
+    again = run_job(load_spec(path), progress=False)
+    assert again["rows_this_run"] == 0 and again["rows_committed"] == 10
+    assert {n: (out / n).stat().st_mtime_ns for n in before} == before
+
+
+def test_bad_rows_become_error_rows(tmp_path, tiny_pair, ray_session):
+    rows = rows_of(4) + [{"id": "empty", "prompt": ""}, {"id": "missing"}, {"id": "num", "prompt": 7},
+                         {"id": 12, "messages": None, "prompt": "the day"}]
+    path, _ = config(tmp_path, tiny_pair, rows)
+    summary = run_job(load_spec(path), progress=False)
+    out, _ = read_out(tmp_path / "out")
+    assert len(out) == 8 and "12" in out  # ids are written as strings
+    for rid in ("empty", "missing", "num"):
+        assert out[rid]["finish_reason"] == "error" and "prompt" in out[rid]["error"]
+        assert out[rid]["token_ids"] == [] and out[rid]["completion"] is None
+    assert out["r0"]["error"] is None and out["12"]["error"] is None
+    assert summary["rows_failed_this_run"] == 3
+
+
+def test_messages_column(tmp_path, tiny_pair, ray_session):
+    rows = [{"id": "a", "msgs": [{"role": "user", "content": "the water is hot"}]},
+            {"id": "b", "msgs": [{"role": "user"}]}]
+    path, _ = config(tmp_path, tiny_pair, rows, input__messages_column="msgs", input__prompt_column=None)
+    run_job(load_spec(path), progress=False)
+    out, _ = read_out(tmp_path / "out")
+    assert out["a"]["error"] is None and out["a"]["prompt_tokens"] > 4
+    assert out["b"]["finish_reason"] == "error" and "msgs" in out["b"]["error"]
+
+
+def test_duplicate_ids_refused_and_nothing_written(tmp_path, tiny_pair):
+    rows = rows_of(6) + [{"id": "r2", "prompt": "again"}, {"id": "r4", "prompt": "again"}]
+    path, _ = config(tmp_path, tiny_pair, rows)
+    with pytest.raises(InputError, match="duplicate ids.*'r2', 'r4'"):
+        run_job(load_spec(path), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_errors_name_the_key(tmp_path, tiny_pair, capsys):
+    path, cfg = config(tmp_path, tiny_pair, rows_of(2))
+    with pytest.raises(ConfigError, match=r"speculation\.num_draft_tokenz: unknown key"):
+        load_spec(path, ["speculation.num_draft_tokenz=3"])
+    with pytest.raises(ConfigError, match=r"generation\.temperature"):
+        load_spec(path, ["generation.temperature=-1"])
+    with pytest.raises(ConfigError, match="needs models.draft"):
+        parse_spec({**cfg, "models": {"target": cfg["models"]["target"]}})
+    spec = load_spec(path, ["generation.max_new_tokens=5", "resources.num_workers=1"])
+    assert spec.generation.max_new_tokens == 5 and spec.resources.num_workers == 1
+    assert cli(["run", path, "--set", "input.bogus=1"]) == 2
+    assert "input.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_session):
+    path, _ = config(tmp_path, tiny_pair, rows_of(3))
+    run_job(load_spec(path), progress=False)
+    with pytest.raises(JobError, match="generation.max_new_tokens"):
+        run_job(load_spec(path, ["generation.max_new_tokens=5"]), progress=False)
+    # worker count and batch size do not change rows: allowed
+    run_job(load_spec(path, ["resources.num_workers=1", "resources.batch_size=2"]), progress=False)
+    run_job(load_spec(path, ["generation.max_new_tokens=5"]), overwrite=True, progress=False)
+    out, _ = read_out(tmp_path / "out")
+    assert len(out) == 3 and all(r["generated_tokens"] <= 5 for r in out.values())
+
+
+def test_worker_death_costs_a_retry_not_a_row(tmp_path, tiny_pair, ray_session, monkeypatch):
+    marker = tmp_path / "died"
+    monkeypatch.setenv("SPECBATCH_FAULT_EXIT_ONCE", str(marker))
+    path, _ = config(tmp_path, tiny_pair, rows_of(9))
+    summary = run_job(load_spec(path), progress=False)
+    assert marker.exists()  # a worker really exited mid-shard
+    out, table = read_out(tmp_path / "out")
+    assert table.num_rows == 9 and len(out) == 9
+    assert summary["rows_committed"] == 9
+
+
+def run_cli(path, *extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_resume_after_driver_sigkill(tmp_path, tiny_pair):
+    rows = rows_of(40)
+    path, _ = config(tmp_path, tiny_pair, rows)
+    spec = yaml.safe_load(open(path))
+    spec["resources"] = {"num_workers": 1, "batch_size": 2, "shard_size": 2}
+    spec["generation"] = {"max_new_tokens": 40}
+    yaml.safe_dump(spec, open(path, "w"))
+    clean = dict(spec, output={"path": str(tmp_path / "clean")})
+    clean_path = tmp_path / "clean.yaml"
+    clean_path.write_text(yaml.safe_dump(clean))
+
+    proc = run_cli(path)
+    first = tmp_path / "out" / "part-00000.parquet"
+    deadline = time.time() + 240
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert first.exists(), proc.communicate()[0] if proc.poll() is not None else "no part after 240 s"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    committed = [n for n in os.listdir(tmp_path / "out") if n.startswith("part-")]
+    assert 0 < len(committed) < 20 and not (tmp_path / "out" / "_SUCCESS").exists()
+
+    resumed = run_cli(path)
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log
+    earlier = int(re.search(r"(\d+) from earlier runs", log).group(1))
+    assert len(committed) * 2 <= earlier < 40  # (a worker may finish its shard after the driver died)
+    done = run_cli(str(clean_path))
+    assert done.wait(timeout=300) == 0
+    out, table = read_out(tmp_path / "out")
+    ref, _ = read_out(tmp_path / "clean")
+    assert table.num_rows == 40 and len(out) == 40  # every row exactly once
+    assert {k: r["token_ids"] for k, r in out.items()} == {k: r["token_ids"] for k, r in ref.items()}
+    assert (tmp_path / "out" / "_SUCCESS").exists()
+
+
+def test_status(tmp_path, tiny_pair, ray_session, capsys):
+    path, _ = config(tmp_path, tiny_pair, rows_of(4))
+    assert cli(["status", path]) == 1
+    run_job(load_spec(path), progress=False)
+    capsys.readouterr()
+    assert cli(["status", path]) == 0
+    assert "2/2 parts, 4/4 rows, finished" in capsys.readouterr().out

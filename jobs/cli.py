@@ -2,6 +2,7 @@
 
   specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite]
   specbatch status CONFIG.yaml|OUTPUT_PATH
+  specbatch train-head CONFIG.yaml --out DIR
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_train_head(args) -> int:
+    """Train a SpecDec++ acceptance head for the job's draft/target pair on the job's prompts."""
+    from .train_head import format_report, run_train_head
+
+    spec = load_spec(args.config, args.set)
+    report = run_train_head(spec, args.out, max_prompts=args.max_prompts, response_tokens=args.response_tokens,
+                            epochs=args.epochs, layers=args.layers, threshold=args.threshold,
+                            progress=not args.no_progress)
+    print(format_report(report))
+    print(f"specbatch: head written to {args.out} (use speculation.acceptance_head.path: {args.out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specbatch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help=cmd_status.__doc__, description=cmd_status.__doc__)
     status.add_argument("target", help="the job's config or its output path")
     status.set_defaults(fn=cmd_status)
+    th = sub.add_parser("train-head", help=cmd_train_head.__doc__, description=cmd_train_head.__doc__)
+    th.add_argument("config")
+    th.add_argument("--out", required=True, help="folder for head.safetensors and head.json")
+    th.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    th.add_argument("--max-prompts", type=int, default=64)
+    th.add_argument("--response-tokens", type=int, default=128, help="longest target answer per prompt")
+    th.add_argument("--epochs", type=int, default=3)
+    th.add_argument("--layers", type=int, default=3, help="residual blocks in the head")
+    th.add_argument("--threshold", type=float, default=0.3, help="default stop threshold stored with the head")
+    th.add_argument("--no-progress", action="store_true")
+    th.set_defaults(fn=cmd_train_head)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

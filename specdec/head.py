@@ -5,7 +5,8 @@ P(accept) = softmax(.)[1]. It reads the draft's last hidden state after the draf
 (h_i for token x_i), so a round can stop once 1 - prod_i P_acc(i) exceeds the threshold.
 
 Training data (`build_examples`): the target's responses to prompts; along them the draft samples
-Z_t ~ q_t (teacher-forced on the target's tokens) and the label is y_t = min(1, p_t(Z_t) / q_t(Z_t)).
+Z_t ~ q_t (teacher-forced on the target's tokens) and the label is y_t = min(1, p_t(Z_t) / q_t(Z_t));
+for greedy decoding Z_t = argmax q_t and y_t = 1 when it equals argmax p_t (what greedy verification does).
 Token mixing: the head's input sequence holds Z_t, except with probability `mix` the target's token
 (those positions carry no loss). Loss: soft-label BCE with the rejected class weighted `w_rej`:
 sum[w_rej (1-y)(-log P0) + y(-log P1)] / sum[w_rej (1-y) + y]. The draft stays frozen.
@@ -89,14 +90,16 @@ def build_examples(target, draft, prompt_ids: list[int], response_ids: list[int]
     seq = torch.tensor([prompt_ids + response_ids])
     n_p, n_r = len(prompt_ids), len(response_ids)
     sl = slice(n_p - 1, n_p - 1 + n_r)  # positions whose next token is a response token
-    # temperature 0 would make q a point mass; the head learns acceptance of sampled drafts at T=1 then
-    proc = sp if not sp.greedy else SamplingParams(temperature=1.0)
-    p = sampling.probs(target(seq).logits[0, sl, :vocab], proc)  # [n_r, V]
-    q = sampling.probs(draft(seq).logits[0, sl, :vocab], proc)
-    u = torch.rand(n_r, generator=generator)
-    z = sampling.sample(q, u)  # Z_t ~ q_t
-    pz, qz = p.gather(1, z[:, None])[:, 0], q.gather(1, z[:, None])[:, 0]
-    y = (pz / qz.clamp_min(1e-12)).clamp(max=1.0)
+    if sp.greedy:  # greedy verification accepts Z = argmax q exactly when it is argmax p
+        lt, ld = target(seq).logits[0, sl, :vocab], draft(seq).logits[0, sl, :vocab]
+        z = ld.argmax(-1)
+        y = (lt.argmax(-1) == z).float()
+    else:
+        p = sampling.probs(target(seq).logits[0, sl, :vocab], sp)  # [n_r, V]
+        q = sampling.probs(draft(seq).logits[0, sl, :vocab], sp)
+        z = sampling.sample(q, torch.rand(n_r, generator=generator))  # Z_t ~ q_t
+        pz, qz = p.gather(1, z[:, None])[:, 0], q.gather(1, z[:, None])[:, 0]
+        y = (pz / qz.clamp_min(1e-12)).clamp(max=1.0)  # P(accept Z_t) under the lossless rule
     keep_target = torch.rand(n_r, generator=generator) < mix
     resp = torch.tensor(response_ids)
     mixed = torch.where(keep_target, resp, z)
@@ -124,7 +127,9 @@ def train_head(h: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, epochs: int = 
     perm = torch.randperm(len(y), generator=g)
     n_val = max(1, int(len(y) * holdout))
     val, tr = perm[:n_val], perm[n_val:]
-    head = AcceptanceHead(cfg)
+    with torch.random.fork_rng():  # a reproducible init that leaves the caller's RNG alone
+        torch.manual_seed(seed)
+        head = AcceptanceHead(cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=lr)
     steps = epochs * math.ceil(len(tr) / batch)
     for epoch in range(epochs):

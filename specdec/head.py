@@ -120,7 +120,7 @@ def calibration(p_pred: torch.Tensor, y: torch.Tensor, bins: int = 5) -> list[di
     return out
 
 
-def train_head(h: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, epochs: int = 3, lr: float = 1e-3,
+def train_head(h: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, epochs: int = 3, lr: float = 5e-3,
                batch: int = 256, seed: int = 0, holdout: float = 0.1, progress=None) -> tuple[AcceptanceHead, dict]:
     """Train on (hidden, label) pairs; returns the head and a report with held-out loss and calibration."""
     g = torch.Generator().manual_seed(seed)

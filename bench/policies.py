@@ -16,10 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_speed import DEFAULT_DRAFT, TARGET, engine_run  # noqa: E402
+from engine_speed import add_model_args, describe, engine_run, load_bench_pair  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
-
-from specdec.models import ModelSource, load_pair  # noqa: E402
 
 
 def main():
@@ -30,11 +28,13 @@ def main():
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--thresholds", default="0.3,0.5,0.7,0.9")
     ap.add_argument("--draft-vocab", type=int, default=8192)
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    add_model_args(ap)
     args = ap.parse_args()
-    pair = load_pair(ModelSource(TARGET.path, TARGET.gguf_file, "float32"), ModelSource(args.draft, None, "float32"))
+    pair = load_bench_pair(args)
     dv = args.draft_vocab
-    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, float32, draft_vocab={dv}")
+    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, draft_vocab={dv}, "
+          f"{describe(pair.device)}")
+    engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
     print(f"{'policy':34s} {'batch':>5s} {'tok/s':>7s} {'vs AR':>6s} {'tok/call':>8s} {'accept':>6s} "
           f"{'discard':>7s} {'verify':>6s}")
     for bs in (int(b) for b in args.batches.split(",")):

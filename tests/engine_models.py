@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.models import ModelPair
+
+# SPECBATCH_TEST_DEVICE=cuda runs the engine tests on a GPU (CI has none: CPU by default)
+DEVICE = os.environ.get("SPECBATCH_TEST_DEVICE", "cpu")
 
 
 def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, init: float = 0.3) -> LlamaForCausalLM:
@@ -17,7 +21,7 @@ def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, init: float = 0.
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128, initializer_range=init,
                       max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    return LlamaForCausalLM(cfg).to(DEVICE).eval().requires_grad_(False)
 
 
 def noisy_copy(model, scale: float, seed: int = 1):

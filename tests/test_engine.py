@@ -37,7 +37,8 @@ def reference(target, prompts):
     """Plain greedy from transformers' own generate, one prompt at a time."""
     out = []
     for p in prompts:
-        ids = target.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=MAX_NEW,
+                              min_new_tokens=MAX_NEW, do_sample=False)
         out.append(ids[0, len(p):].tolist())
     return out
 

@@ -18,9 +18,9 @@ PROMPT = [1, 5, 2, 7]
 def exact_distribution(model, sp):
     """P(x1 x2 x3 | PROMPT) for all V**3 continuations, from the model's processed conditionals."""
     pairs = list(itertools.product(range(V), repeat=2))
-    ids = torch.tensor([PROMPT + [a, b] for a, b in pairs])
+    ids = torch.tensor([PROMPT + [a, b] for a, b in pairs], device=model.device)
     with torch.no_grad():
-        probs = sampling.probs(model(ids).logits, sp).double()  # [V*V, L+2, V]
+        probs = sampling.probs(model(ids).logits, sp).double().cpu()  # [V*V, L+2, V]
     L = len(PROMPT)
     dist = np.zeros((V, V, V))
     for row, (a, b) in enumerate(pairs):

@@ -37,7 +37,8 @@ def collect_prompts(spec: JobSpec, tokenizer, limit: int) -> list[list[int]]:
 
 
 def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_tokens: int = 128, epochs: int = 3,
-                   layers: int = 3, threshold: float = 0.3, seed: int = 0, progress: bool = True) -> dict:
+                   layers: int = 3, threshold: float = 0.3, w_rej: float = 6.0, seed: int = 0,
+                   progress: bool = True) -> dict:
     if spec.models.draft is None:
         raise ConfigError("train-head needs models.draft in the job config")
     t, d = spec.models.target, spec.models.draft
@@ -55,7 +56,8 @@ def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_toke
     engine = SpecEngine(pair, sp, SpecConfig(method="none"), batch_size=spec.resources.batch_size)
     answers = engine.generate(prompts, keys=list(range(len(prompts))))
     gen = torch.Generator().manual_seed(seed)
-    cfg = HeadConfig(hidden_size=pair.draft.config.hidden_size, num_layers=layers, threshold=threshold)
+    cfg = HeadConfig(hidden_size=pair.draft.config.hidden_size, num_layers=layers, threshold=threshold,
+                     w_rej=w_rej)
     hs, ys = [], []
     for p, a in tqdm(list(zip(prompts, answers)), desc="labels", disable=not progress, file=sys.stderr):
         if a.token_ids:

@@ -225,9 +225,9 @@ class _Loop:
         b.seq[:n].scatter_(1, write_pos, new)
         b.seq_len[:n] = seq_len + accepted + 1
         b.proposer.commit(n, seq_len, accepted)
-        b.policy.observe(n, draft.lengths, accepted)
 
         acc_l, new_l, len_l = accepted.tolist(), new.tolist(), draft.lengths.tolist()
+        b.policy.observe(n, draft.lengths, accepted)  # after the host sync: a GPU's round is complete
         finished = []
         for i, row in enumerate(rows):
             res = row.result

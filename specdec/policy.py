@@ -103,33 +103,46 @@ class GoodputLength(LengthPolicy):
     """Batch-aware: one draft length K for the batch, chosen to maximise expected emitted tokens per
     second of the whole batch, K = 0 (no speculation) included.
 
+    One K for all rows, because a round costs what its longest row costs (the draft steps and the
+    target's verification run the batch as one padded tensor) and a longer draft never lowers a
+    row's expected emitted tokens: given the round's cost, every row may as well use all of it.
+
     Expected tokens of a row with per-token acceptance a and K drafts: (1 - a^(K+1)) / (1 - a).
-    a is each row's own acceptance so far, shrunk towards the batch-wide rate (a Beta prior worth
-    `prior_weight` tokens). Round times are measured, not assumed: an exponential average per
-    (batch-size bucket, K), refreshed every round. Only 0 and the neighbours of the current choice
-    are tried when untimed (a hill climb, not a sweep), and a bucket not yet timed borrows the
-    nearest bucket's times scaled by batch size.
+    a is accepted / tested tokens, where a round tests its accepted tokens plus the first rejected
+    one (tokens after a rejection are never tested; accepted / drafted would bias a low for long
+    drafts), shrunk towards the batch-wide rate (a Beta prior worth `prior_weight` tokens).
+
+    Round times are measured, not assumed, per (batch-size bucket, K), from the round's start to its
+    first host sync (so a GPU's queued work is counted): the estimate is the minimum of the last
+    `samples` measurements, since timing noise only ever adds. Only 0 and the neighbours of the
+    current choice are tried when untimed (a hill climb, not a sweep), a neighbour last timed more
+    than `refresh` rounds ago is timed again (one slow sample, say a first call at a new shape,
+    cannot lock a choice in), and a bucket not yet timed borrows the nearest bucket's times scaled
+    by batch size.
     """
 
     prior_weight = 4.0
-    ema = 0.3
+    samples = 3
+    refresh = 24
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         super().__init__(spec, slots, memory)
-        self.drafted = slots.add("goodput_drafted", dtype=torch.float64)
+        self.tested = slots.add("goodput_tested", dtype=torch.float64)
         self.accepted = slots.add("goodput_accepted", dtype=torch.float64)
-        self.total = self.memory.setdefault("goodput_total", [1.0, 2.0])  # accepted, drafted (weak 0.5 start)
-        self.times: dict[tuple[int, int], float] = self.memory.setdefault("goodput_times", {})
+        self.total = self.memory.setdefault("goodput_total", [1.0, 2.0])  # accepted, tested (weak 0.5 start)
+        self.times: dict[tuple[int, int], list[float]] = self.memory.setdefault("goodput_times", {})
+        self.stamp: dict[tuple[int, int], int] = self.memory.setdefault("goodput_stamp", {})
+        self.memory.setdefault("goodput_round", 0)
         self._round: tuple[int, int, float] | None = None
 
     def admit(self, start: int, end: int) -> None:
-        self.drafted[start:end] = 0
+        self.tested[start:end] = 0
         self.accepted[start:end] = 0
 
     def expected_tokens(self, n: int, k: int) -> float:
         rate = self.total[0] / self.total[1]
         w = self.prior_weight
-        a = ((self.accepted[:n] + w * rate) / (self.drafted[:n] + w)).clamp(0.0, 0.999)
+        a = ((self.accepted[:n] + w * rate) / (self.tested[:n] + w)).clamp(0.0, 0.999)
         return float(((1 - a ** (k + 1)) / (1 - a)).sum())
 
     @staticmethod
@@ -139,19 +152,24 @@ class GoodputLength(LengthPolicy):
     def estimate(self, b: int, k: int) -> float | None:
         """Round time of length k at bucket b (as if full): measured, else scaled from the nearest bucket."""
         if (b, k) in self.times:
-            return self.times[(b, k)]
+            return min(self.times[(b, k)])
         known = [bb for (bb, kk) in self.times if kk == k]
         if not known:
             return None
         near = min(known, key=lambda bb: abs(bb.bit_length() - b.bit_length()))
-        return self.times[(near, k)] * b / near
+        return min(self.times[(near, k)]) * b / near
 
     def choose(self, n: int) -> int:
         top, b = self.spec.max_draft_tokens, self.bucket(n)
         best = self.memory.get("goodput_best", min(self.spec.num_draft_tokens, top))
         # explore around the current choice only: no sweep of every length at every batch size
-        for k in sorted({0, best - 1, best, best + 1}):
-            if 0 <= k <= top and self.estimate(b, k) is None:
+        near = [k for k in sorted({0, best - 1, best, best + 1}) if 0 <= k <= top]
+        for k in near:
+            if self.estimate(b, k) is None:
+                return k
+        now = self.memory["goodput_round"]
+        for k in near:
+            if k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > self.refresh:
                 return k
         timed = [k for k in range(top + 1) if self.estimate(b, k) is not None]
         best = max(timed, key=lambda k: self.expected_tokens(n, k) / (self.estimate(b, k) * n / b))
@@ -167,14 +185,16 @@ class GoodputLength(LengthPolicy):
         if self._round is not None:
             rn, k, t0 = self._round
             dt = (time.perf_counter() - t0) * rn / n  # as if the bucket were full
-            old = self.times.get((rn, k))
-            self.times[(rn, k)] = dt if old is None else (1 - self.ema) * old + self.ema * dt
+            self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt])[-self.samples:]
+            self.stamp[(rn, k)] = self.memory["goodput_round"]
             self._round = None
-        d, a = drafted.to(torch.float64), accepted.to(torch.float64)
-        self.drafted[:n] += d
+        self.memory["goodput_round"] += 1
+        a = accepted.to(torch.float64)
+        tested = a + (accepted < drafted).to(torch.float64)  # the first rejected token was tested too
         self.accepted[:n] += a
+        self.tested[:n] += tested
         self.total[0] += float(a.sum())
-        self.total[1] += float(d.sum())
+        self.total[1] += float(tested.sum())
 
 
 class AcceptanceHeadLength(LengthPolicy):

@@ -166,10 +166,10 @@ def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, ref
 def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
     from specdec.policy import GoodputLength, Slots
     slots = Slots(8, "cpu")
-    memory = {"goodput_times": {(8, k): 1.0 + draft_cost * k for k in range(7)}, "goodput_best": expected}
+    memory = {"goodput_times": {(8, k): [1.0 + draft_cost * k] for k in range(7)}, "goodput_best": expected}
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=6), slots, memory)
     pol.admit(0, 8)
-    pol.drafted[:8] = 1000.0
+    pol.tested[:8] = 1000.0
     pol.accepted[:8] = 1000.0 * rate
     assert pol.choose(8) == expected
     assert memory["goodput_best"] == expected
@@ -178,3 +178,38 @@ def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
     # with nothing timed, 0 and the neighbours of the current choice are tried first
     fresh = GoodputLength(SpecConfig(draft_length="goodput", num_draft_tokens=3, max_draft_tokens=6), slots, {})
     assert fresh.choose(8) == 0
+
+
+def test_goodput_acceptance_estimate_is_unbiased_for_long_drafts():
+    """Per-token acceptance comes from tested tokens (accepted + the first rejected one): with K=4
+    drafts and a true rate of 0.6, accepted / drafted would say ~0.3 and shun long drafts."""
+    from specdec.policy import GoodputLength, Slots
+    a, k, n = 0.6, 4, 8
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=k), Slots(n, "cpu"), {})
+    pol.admit(0, n)
+    gen = torch.Generator().manual_seed(0)
+    drafted = torch.full((n,), k)
+    for _ in range(400):
+        passes = torch.rand((n, k), generator=gen) < a
+        accepted = torch.cumprod(passes.long(), dim=1).sum(1)  # leading run of accepted tokens
+        pol.observe(n, drafted, accepted)
+    per_row = pol.expected_tokens(n, k) / n
+    assert per_row == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=0.05)
+
+
+def test_goodput_retimes_a_stale_neighbour():
+    """One slow sample of K=0 (a first call, a preempted round) must not keep speculation on for good:
+    after `refresh` rounds K=0 is timed again, and the faster measurement wins."""
+    from specdec.policy import GoodputLength, Slots
+    memory = {"goodput_times": {(8, 0): [5.0], (8, 1): [1.6], (8, 2): [2.2]}, "goodput_best": 1,
+              "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0}
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), memory)
+    pol.admit(0, 8)
+    pol.tested[:8], pol.accepted[:8] = 1000.0, 400.0  # K=1: 1.4 tokens per 1.6 s beats K=0's 1 per 5 s
+    assert pol.choose(8) == 1
+    memory["goodput_round"] = GoodputLength.refresh + 1
+    memory["goodput_stamp"].update({(8, 1): memory["goodput_round"], (8, 2): memory["goodput_round"]})
+    assert pol.choose(8) == 0  # stale: timed again
+    memory["goodput_times"][(8, 0)].append(1.0)  # the real cost of a plain round
+    memory["goodput_stamp"][(8, 0)] = memory["goodput_round"]
+    assert pol.choose(8) == 0  # 1 token per 1.0 s beats 1.4 per 1.6 s

@@ -33,8 +33,13 @@ def main():
                     help="prompts per batch slot (at least 8 prompts): rows finishing early are replaced, as in a job")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of every policy, interleaved; the fastest counts (timing noise only slows)")
+    ap.add_argument("--policies", default="fixed,heuristic,confidence,goodput,head",
+                    help="which families to run besides autoregressive (trim to fit a time limit)")
     add_model_args(ap)
     args = ap.parse_args()
+    families = set(args.policies.split(","))
+    if families - {"fixed", "heuristic", "confidence", "goodput", "head"}:
+        ap.error(f"unknown --policies {sorted(families - {'fixed', 'heuristic', 'confidence', 'goodput', 'head'})}")
     pair = load_bench_pair(args)
     dv = args.draft_vocab
     print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, draft_vocab={dv}, "
@@ -45,11 +50,13 @@ def main():
     for bs in (int(b) for b in args.batches.split(",")):
         prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(args.queue * bs))])
         runs = [("autoregressive", dict(method="none", k=0))]
-        runs += [(f"fixed k={k}", dict(method="draft_model", k=k)) for k in map(int, args.ks.split(","))]
-        runs += [("heuristic", dict(method="draft_model", k=2, draft_length="heuristic")),
-                 ("confidence 0.4", dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=8)),
-                 ("goodput", dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=8))]
-        for head in args.head:
+        if "fixed" in families:
+            runs += [(f"fixed k={k}", dict(method="draft_model", k=k)) for k in map(int, args.ks.split(","))]
+        adaptive = [("heuristic", dict(method="draft_model", k=2, draft_length="heuristic")),
+                    ("confidence", dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=8)),
+                    ("goodput", dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=8))]
+        runs += [(name if name != "confidence" else "confidence 0.4", kw) for name, kw in adaptive if name in families]
+        for head in args.head if "head" in families else []:
             runs += [(f"head {os.path.basename(head.rstrip('/'))} h={t}",
                       dict(method="draft_model", k=2, draft_length="acceptance_head", acceptance_head_path=head,
                            max_draft_tokens=8, acceptance_head_threshold=float(t)))

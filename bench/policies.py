@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, engine_run, load_bench_pair  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
+FAMILIES = {"fixed", "heuristic", "confidence", "goodput", "head"}
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,8 +40,8 @@ def main():
     add_model_args(ap)
     args = ap.parse_args()
     families = set(args.policies.split(","))
-    if families - {"fixed", "heuristic", "confidence", "goodput", "head"}:
-        ap.error(f"unknown --policies {sorted(families - {'fixed', 'heuristic', 'confidence', 'goodput', 'head'})}")
+    if families - FAMILIES:
+        ap.error(f"unknown --policies {sorted(families - FAMILIES)}; choose from {sorted(FAMILIES)}")
     pair = load_bench_pair(args)
     dv = args.draft_vocab
     print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, draft_vocab={dv}, "
@@ -52,10 +54,11 @@ def main():
         runs = [("autoregressive", dict(method="none", k=0))]
         if "fixed" in families:
             runs += [(f"fixed k={k}", dict(method="draft_model", k=k)) for k in map(int, args.ks.split(","))]
-        adaptive = [("heuristic", dict(method="draft_model", k=2, draft_length="heuristic")),
-                    ("confidence", dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=8)),
-                    ("goodput", dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=8))]
-        runs += [(name if name != "confidence" else "confidence 0.4", kw) for name, kw in adaptive if name in families]
+        adaptive = [("heuristic", "heuristic", dict(method="draft_model", k=2, draft_length="heuristic")),
+                    ("confidence", "confidence 0.4",
+                     dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=8)),
+                    ("goodput", "goodput", dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=8))]
+        runs += [(label, kw) for family, label, kw in adaptive if family in families]
         for head in args.head if "head" in families else []:
             runs += [(f"head {os.path.basename(head.rstrip('/'))} h={t}",
                       dict(method="draft_model", k=2, draft_length="acceptance_head", acceptance_head_path=head,

@@ -78,6 +78,7 @@ class SpeculationSpec(_Strict):
     confidence_threshold: float = Field(0.4, gt=0.0, lt=1.0)
     acceptance_head: AcceptanceHeadSpec | None = None
     draft_vocab: int = Field(0, ge=0, description="draft scores only the first N token ids (0 = all)")
+    verify_padding: bool = Field(True, description="verify over a wider window when measured cheaper")
     prompt_lookup_max_ngram: int = Field(3, ge=1)
     prompt_lookup_min_ngram: int = Field(1, ge=1)
 
@@ -133,7 +134,8 @@ class JobSpec(_Strict):
                           confidence_threshold=s.confidence_threshold,
                           acceptance_head_path=head.path if head else None,
                           acceptance_head_threshold=head.threshold if head else 0.3,
-                          draft_vocab=s.draft_vocab, prompt_lookup_max_ngram=s.prompt_lookup_max_ngram,
+                          draft_vocab=s.draft_vocab, verify_padding=s.verify_padding,
+                          prompt_lookup_max_ngram=s.prompt_lookup_max_ngram,
                           prompt_lookup_min_ngram=s.prompt_lookup_min_ngram)
 
     def model_sources(self) -> tuple[ModelSource, ModelSource | None]:
@@ -148,6 +150,7 @@ class JobSpec(_Strict):
         data.pop("name")
         for k in ("num_workers", "gpus_per_worker", "cpus_per_worker", "batch_size", "max_retries"):
             data["resources"].pop(k)
+        data["speculation"].pop("verify_padding")  # a speed setting: rows and their statistics are the same
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -48,6 +48,8 @@ class SpecConfig:
     # rank, so low ids are the frequent tokens; q is then zero beyond them, which stays lossless
     # because verification uses exactly the q the draft sampled from.
     draft_vocab: int = 0
+    # verify over a wider window when that shape was measured to be cheaper (specdec/widths.py)
+    verify_padding: bool = True
     # prompt lookup: n-gram sizes tried, longest first
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1

@@ -34,6 +34,7 @@ from .proposers.base import Draft, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .verify import verify_greedy, verify_lossless
+from .widths import VerifyWidths
 
 
 @dataclass
@@ -108,6 +109,8 @@ class SpecEngine:
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
         self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
+        pad = spec.verify_padding and spec.method != "none"
+        self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
         make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
 
     def _make_proposer(self, batch: Batch) -> Proposer:
@@ -203,14 +206,17 @@ class _Loop:
             b.u_draft = u[:, :m]
         draft: Draft = b.proposer.propose(n, limits) if m else Draft.empty(n, dev)
         k = draft.tokens.shape[1]
+        width = e.widths.choose(n, k + 1) if e.widths else k + 1  # >= k+1: a cheaper shape, if measured
+        t_verify = time.perf_counter()
 
         seq_len = b.seq_len[:n].clone()
         ar = torch.arange(n, device=dev)
         pending = b.seq[ar, seq_len - 1]
         tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
-        positions = (seq_len - 1)[:, None] + torch.arange(k + 1, device=dev)[None, :]
+        tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
+        positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
         hidden = forward_hidden(e.target, b.target_cache, tokens_in, positions, 0, n)
-        logits = e.head(hidden)[..., : e.vocab_size]  # [n, k+1, vocab]
+        logits = e.head(hidden)[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
         if self.random:
             p = sampling.probs(logits, e.sampling)
             verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
@@ -227,6 +233,8 @@ class _Loop:
         b.proposer.commit(n, seq_len, accepted)
 
         acc_l, new_l, len_l = accepted.tolist(), new.tolist(), draft.lengths.tolist()
+        if e.widths:
+            e.widths.observe(n, width, time.perf_counter() - t_verify)
         b.policy.observe(n, draft.lengths, accepted)  # after the host sync: a GPU's round is complete
         finished = []
         for i, row in enumerate(rows):

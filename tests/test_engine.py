@@ -213,3 +213,42 @@ def test_goodput_retimes_a_stale_neighbour():
     memory["goodput_times"][(8, 0)].append(1.0)  # the real cost of a plain round
     memory["goodput_stamp"][(8, 0)] = memory["goodput_round"]
     assert pol.choose(8) == 0  # 1 token per 1.0 s beats 1.4 per 1.6 s
+
+
+def test_verify_widths_explore_then_pad_only_when_measured_cheaper():
+    from specdec.widths import VerifyWidths
+
+    w = VerifyWidths(max_width=9)
+    assert w.choose(1, 1) == 1  # a plain decoding step is never padded
+    cost = {3: 0.081, 4: 0.064, 5: 0.065, 6: 0.070, 7: 0.086}  # the CPU shapes of the module docstring
+    tried = []
+    for _ in range(10):
+        width = w.choose(1, 3)
+        tried.append(width)
+        w.observe(1, width, cost[width])
+    assert tried[:10] == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]  # each reachable width timed twice, smallest first
+    assert w.choose(1, 3) == 4  # 64 ms < 0.95 * 81 ms
+    for width in (5, 6, 7, 8, 9):
+        for _ in range(2):
+            w.observe(1, width, {5: 0.065, 6: 0.062, 7: 0.086, 8: 0.09, 9: 0.1}[width])
+    assert w.choose(1, 5) == 5  # 6 is cheaper, but by less than the 5% margin
+    assert w.choose(1, 9) == 9  # no room past max_draft_tokens + 1
+    # other batch sizes are timed apart, as if their bucket were full
+    assert w.choose(8, 3) == 3 and w.choose(6, 3) == 3
+    w.observe(6, 3, 0.06)
+    assert w.times[(8, 3)] == [pytest.approx(0.08)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_verification_changes_nothing_but_the_shape(target, drafts, prompts, temperature):
+    """Forcing every round 3 positions wider: the same tokens and statistics as unpadded."""
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, seed=4)
+    spec = dict(method="draft_model", num_draft_tokens=3, draft_length="heuristic", max_draft_tokens=8)
+    plain = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(verify_padding=False, **spec), batch_size=4)
+    padded = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(**spec), batch_size=4)
+    padded.widths.choose = lambda n, w0: w0 if w0 == 1 else min(w0 + 3, padded.widths.max_width)
+    a, b = plain.generate(prompts), padded.generate(prompts)
+    assert plain.widths is None
+    assert any(width > 4 for (_, width) in padded.widths.times)  # rounds really ran wider
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.draft_lengths, x.accept_lengths) == (y.token_ids, y.draft_lengths, y.accept_lengths)

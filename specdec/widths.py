@@ -1,0 +1,49 @@
+"""Verify-width padding: verify over a wider window when that is measured to be cheaper.
+
+A target forward's cost is not monotone in its width (tokens per row). Matrix kernels pick their
+blocking by shape: on a 2-core CPU at batch 1, verifying 3 tokens took 81 ms and 4 or 5 tokens 64 ms
+(the 576 x 49k output head alone: 21 ms at 3 rows, 10 ms at 4). GPU stacks see the same thing at
+other shapes; vLLM pads batches to the sizes it captured CUDA graphs for.
+
+So the engine times each round's verification (target forward, verdict, bookkeeping, up to the
+round's host sync) per (batch-size bucket, width), as if the bucket were full, and when a round needs
+width w0 = k + 1 >= 2 runs it at the width w in [w0, w0 + max_pad] with the lowest measured time, if
+that is at least `margin` cheaper than w0 itself. Rounds without drafts (w0 = 1) are plain decoding
+steps and are never padded. Padding is free of semantics: the extra positions carry junk tokens, their logits are
+dropped, and the target-cache slots they write lie past the row's length (masked now, overwritten
+before they are read). Every width in reach is timed `samples` times before it is trusted (the
+estimate is the minimum: timing noise only adds), smallest first; that is the whole exploration.
+"""
+
+from __future__ import annotations
+
+
+class VerifyWidths:
+    max_pad = 4
+    margin = 0.95
+    samples = 2
+
+    def __init__(self, max_width: int):
+        self.max_width = max_width  # max_draft_tokens + 1: the cache has room for this many
+        self.times: dict[tuple[int, int], list[float]] = {}
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        return 1 << (n - 1).bit_length()  # active rows, rounded up to a power of two
+
+    def choose(self, n: int, w0: int) -> int:
+        top = min(self.max_width, w0 + self.max_pad)
+        if w0 == 1 or w0 >= top:
+            return w0
+        n = self.bucket(n)
+        for w in range(w0, top + 1):  # explore: every reachable width gets `samples` timings
+            if len(self.times.get((n, w), ())) < self.samples:
+                return w
+        best = min(range(w0, top + 1), key=lambda w: min(self.times[(n, w)]))
+        return best if min(self.times[(n, best)]) < self.margin * min(self.times[(n, w0)]) else w0
+
+    def observe(self, n: int, w: int, seconds: float) -> None:
+        b = self.bucket(n)
+        kept = self.times.setdefault((b, w), [])
+        kept.append(seconds * b / n)
+        del kept[:-8]  # the recent ones: a machine's load drifts

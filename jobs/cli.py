@@ -59,7 +59,7 @@ def cmd_train_head(args) -> int:
     spec = load_spec(args.config, args.set)
     report = run_train_head(spec, args.out, max_prompts=args.max_prompts, response_tokens=args.response_tokens,
                             epochs=args.epochs, layers=args.layers, threshold=args.threshold, w_rej=args.w_rej,
-                            progress=not args.no_progress)
+                            reads=args.reads, progress=not args.no_progress)
     print(format_report(report))
     print(f"specbatch: head written to {args.out} (use speculation.acceptance_head.path: {args.out})")
     return 0
@@ -85,13 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     th.add_argument("config")
     th.add_argument("--out", required=True, help="folder for head.safetensors and head.json")
     th.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    th.add_argument("--max-prompts", type=int, default=64)
+    th.add_argument("--max-prompts", type=int, default=256)
     th.add_argument("--response-tokens", type=int, default=128, help="longest target answer per prompt")
     th.add_argument("--epochs", type=int, default=3)
     th.add_argument("--layers", type=int, default=3, help="residual blocks in the head")
     th.add_argument("--threshold", type=float, default=0.3, help="default stop threshold stored with the head")
     th.add_argument("--w-rej", type=float, default=6.0,
                     help="loss weight of rejections (SpecDec++: 6, for pairs accepting ~80-90%%; 1 = calibrated)")
+    th.add_argument("--reads", choices=["proposing", "fed"], default="proposing",
+                    help="proposing: the draft state that drew the token, plus q(token) (no extra draft forward); "
+                         "fed: the state after the token was fed back (the SpecDec++ paper's; one more forward)")
     th.add_argument("--no-progress", action="store_true")
     th.set_defaults(fn=cmd_train_head)
     args = ap.parse_args(argv)

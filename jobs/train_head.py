@@ -2,8 +2,9 @@
 
 The target answers the job's prompts; along each answer the draft samples a token per position
 (teacher-forced on the target's tokens) and the label is min(1, p/q); the head learns P(accept) from
-the draft's hidden state with token mixing and the weighted BCE of SpecDec++ (specdec/head.py). The
-draft stays frozen. Writes head.safetensors + head.json (settings and the held-out report).
+the draft's hidden state (by default the state that drew the token, plus q(token); `--reads fed`: the
+state after the token was fed back, with token mixing, as in the paper) and the weighted BCE of
+SpecDec++ (specdec/head.py). The draft stays frozen. Writes head.safetensors + head.json (settings and the held-out report).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def collect_prompts(spec: JobSpec, tokenizer, limit: int) -> list[list[int]]:
 
 
 def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_tokens: int = 128, epochs: int = 3,
-                   layers: int = 3, threshold: float = 0.3, w_rej: float = 6.0, seed: int = 0,
-                   progress: bool = True) -> dict:
+                   layers: int = 3, threshold: float = 0.3, w_rej: float = 6.0, reads: str = "proposing",
+                   seed: int = 0, progress: bool = True) -> dict:
     if spec.models.draft is None:
         raise ConfigError("train-head needs models.draft in the job config")
     t, d = spec.models.target, spec.models.draft
@@ -57,11 +58,13 @@ def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_toke
     answers = engine.generate(prompts, keys=list(range(len(prompts))))
     gen = torch.Generator().manual_seed(seed)
     cfg = HeadConfig(hidden_size=pair.draft.config.hidden_size, num_layers=layers, threshold=threshold,
-                     w_rej=w_rej)
+                     w_rej=w_rej, reads=reads)
+    draft_vocab = spec.speculation.draft_vocab
     hs, ys = [], []
     for p, a in tqdm(list(zip(prompts, answers)), desc="labels", disable=not progress, file=sys.stderr):
         if a.token_ids:
-            h, y = build_examples(pair.target, pair.draft, p, a.token_ids, sp, cfg.mix, gen, pair.vocab_size)
+            h, y = build_examples(pair.target, pair.draft, p, a.token_ids, sp, cfg, gen, pair.vocab_size,
+                                  draft_vocab)
             hs.append(h)
             ys.append(y)
     h, y = torch.cat(hs), torch.cat(ys)
@@ -74,7 +77,7 @@ def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_toke
     head, report = train_head(h, y, cfg, epochs=epochs, seed=seed, progress=tick)
     bar.close()
     report["prompts"] = len(prompts)
-    head.save(out, extra={"target": t.path, "draft": d.path, "report": report})
+    head.save(out, extra={"target": t.path, "draft": d.path, "draft_vocab": draft_vocab, "report": report})
     return report
 
 

@@ -1,8 +1,17 @@
 """SpecDec++ acceptance head: predicts P(accept) of a drafted token from the draft's hidden state.
 
 Architecture (Huang et al., SpecDec++): L residual blocks x + SiLU(Linear_dxd(x)), then Linear_dx2;
-P(accept) = softmax(.)[1]. It reads the draft's last hidden state after the drafted token was fed
-(h_i for token x_i), so a round can stop once 1 - prod_i P_acc(i) exceeds the threshold.
+P(accept) = softmax(.)[1]. A round stops once 1 - prod_i P_acc(i) exceeds the threshold.
+
+Which state it reads (`HeadConfig.reads`):
+- "fed" (the paper's): the draft's last hidden state after the drafted token x_i was fed back. Deciding
+  on x_i then costs one draft forward more per round than a fixed length (the forward that would only
+  be needed to draft x_{i+1}).
+- "proposing": the state that proposed x_i (the one whose logits gave q_i), plus q_i(x_i) and
+  log q_i(x_i); input width d + 2. The stop decision is made as soon as x_i is drawn, so a round costs
+  exactly the draft forwards of its length. Its training data needs no token mixing: the decision on
+  x_i only matters when x_1..x_{i-1} were accepted, and then the context is the target's own tokens,
+  which is exactly the teacher-forced sequence.
 
 Training data (`build_examples`): the target's responses to prompts; along them the draft samples
 Z_t ~ q_t (teacher-forced on the target's tokens) and the label is y_t = min(1, p_t(Z_t) / q_t(Z_t));
@@ -33,14 +42,30 @@ class HeadConfig:
     threshold: float = 0.3  # stop when P(at least one rejection in this round) exceeds it
     mix: float = 0.15
     w_rej: float = 6.0
+    reads: str = "fed"  # "fed" | "proposing" (see the module docstring)
+
+    READS = ("fed", "proposing")
+
+    @property
+    def in_features(self) -> int:
+        return self.hidden_size + (2 if self.reads == "proposing" else 0)
+
+
+def proposing_features(h: torch.Tensor, token_prob: torch.Tensor) -> torch.Tensor:
+    """Input of a "proposing" head: the proposing state and q(x), log q(x) of the token it drew."""
+    q = token_prob.float().clamp_min(1e-12)[..., None]
+    return torch.cat([h.float(), q, q.log()], dim=-1)
 
 
 class AcceptanceHead(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
+        if cfg.reads not in HeadConfig.READS:
+            raise ValueError(f"acceptance head reads {cfg.reads!r}; expected one of {HeadConfig.READS}")
         self.cfg = cfg
-        self.blocks = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size) for _ in range(cfg.num_layers))
-        self.out = nn.Linear(cfg.hidden_size, 2)
+        d = cfg.in_features
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(cfg.num_layers))
+        self.out = nn.Linear(d, 2)
         for b in self.blocks:  # start as identity-ish residual blocks
             nn.init.zeros_(b.weight)
             nn.init.zeros_(b.bias)
@@ -51,6 +76,10 @@ class AcceptanceHead(nn.Module):
         for b in self.blocks:
             x = x + nn.functional.silu(b(x))
         return self.out(x)
+
+    def features(self, h: torch.Tensor, token_prob: torch.Tensor | None) -> torch.Tensor:
+        """The head's input from the draft state it reads and q(token) (used by "proposing" heads only)."""
+        return proposing_features(h, token_prob) if self.cfg.reads == "proposing" else h
 
     def p_accept(self, h: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self(h), dim=-1)[..., 1]
@@ -85,22 +114,30 @@ def weighted_bce(logits: torch.Tensor, y: torch.Tensor, w_rej: float) -> torch.T
 
 @torch.inference_mode()
 def build_examples(target, draft, prompt_ids: list[int], response_ids: list[int], sp: SamplingParams,
-                   mix: float, generator: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states [m, d] and labels [m] for one (prompt, target response) pair."""
+                   cfg: HeadConfig, generator: torch.Generator, vocab: int,
+                   draft_vocab: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head inputs [m, in_features] and labels [m] for one (prompt, target response) pair.
+
+    `draft_vocab` > 0: the draft scores only its first `draft_vocab` ids, as the engine's
+    `speculation.draft_vocab` does, so the head learns on the tokens the engine will propose."""
     seq = torch.tensor([prompt_ids + response_ids])
     n_p, n_r = len(prompt_ids), len(response_ids)
     sl = slice(n_p - 1, n_p - 1 + n_r)  # positions whose next token is a response token
+    dv = min(draft_vocab or vocab, vocab)
+    hd = draft.get_decoder()(input_ids=seq).last_hidden_state[0, sl]  # the state that draws each q_t
+    lt, ld = target(seq).logits[0, sl, :vocab], draft.get_output_embeddings()(hd)[:, :dv]
+    q = sampling.probs(ld, sp)  # [n_r, dv]
     if sp.greedy:  # greedy verification accepts Z = argmax q exactly when it is argmax p
-        lt, ld = target(seq).logits[0, sl, :vocab], draft(seq).logits[0, sl, :vocab]
         z = ld.argmax(-1)
         y = (lt.argmax(-1) == z).float()
     else:
-        p = sampling.probs(target(seq).logits[0, sl, :vocab], sp)  # [n_r, V]
-        q = sampling.probs(draft(seq).logits[0, sl, :vocab], sp)
+        p = sampling.probs(lt, sp)  # [n_r, V]
         z = sampling.sample(q, torch.rand(n_r, generator=generator))  # Z_t ~ q_t
         pz, qz = p.gather(1, z[:, None])[:, 0], q.gather(1, z[:, None])[:, 0]
         y = (pz / qz.clamp_min(1e-12)).clamp(max=1.0)  # P(accept Z_t) under the lossless rule
-    keep_target = torch.rand(n_r, generator=generator) < mix
+    if cfg.reads == "proposing":  # the teacher-forced state that drew Z_t, and q_t(Z_t)
+        return proposing_features(hd, q.gather(1, z[:, None])[:, 0]), y.float()
+    keep_target = torch.rand(n_r, generator=generator) < cfg.mix
     resp = torch.tensor(response_ids)
     mixed = torch.where(keep_target, resp, z)
     h = draft.get_decoder()(input_ids=torch.cat([seq[0, :n_p], mixed])[None]).last_hidden_state[0, n_p:]

@@ -14,6 +14,7 @@ import time
 import torch
 
 from .config import SpecConfig
+from .widths import VerifyWidths
 
 
 class Slots:
@@ -145,9 +146,7 @@ class GoodputLength(LengthPolicy):
         a = ((self.accepted[:n] + w * rate) / (self.tested[:n] + w)).clamp(0.0, 0.999)
         return float(((1 - a ** (k + 1)) / (1 - a)).sum())
 
-    @staticmethod
-    def bucket(n: int) -> int:
-        return 1 << (n - 1).bit_length()  # batch sizes timed per power of two
+    bucket = staticmethod(VerifyWidths.bucket)  # batch sizes timed per power of two
 
     def estimate(self, b: int, k: int) -> float | None:
         """Round time of length k at bucket b (as if full): measured, else scaled from the nearest bucket."""
@@ -199,9 +198,9 @@ class GoodputLength(LengthPolicy):
 
 class AcceptanceHeadLength(LengthPolicy):
     """SpecDec++: draft until 1 - prod_i P_acc(x_i) exceeds `acceptance_head_threshold`, at least
-    `min_tokens` and at most `max_draft_tokens`; P_acc from the trained head on the draft's hidden state."""
+    `min_tokens` and at most `max_draft_tokens`; P_acc from the trained head on the draft's hidden state
+    (after x_i was fed, or the state that drew x_i plus q(x_i): whichever the head was trained on)."""
 
-    keep_after_feed = True
     min_tokens = 2
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
@@ -214,6 +213,9 @@ class AcceptanceHeadLength(LengthPolicy):
         if "head" not in self.memory:
             self.memory["head"] = AcceptanceHead.load(spec.acceptance_head_path, slots.device)
         self.head = self.memory["head"]
+        self.proposing = self.head.cfg.reads == "proposing"
+        self.keep_after_feed = not self.proposing
+        self.uses_draft_probs = self.proposing
         self.survive: torch.Tensor | None = None
 
     def limits(self, n: int) -> torch.Tensor:
@@ -221,7 +223,8 @@ class AcceptanceHeadLength(LengthPolicy):
         return torch.full((n,), self.spec.max_draft_tokens, dtype=torch.int64, device=self.slots.device)
 
     def keep(self, step, token_prob, hidden):
-        self.survive = self.survive * self.head.p_accept(hidden)  # P(no rejection so far)
+        x = self.head.features(hidden, token_prob)
+        self.survive = self.survive * self.head.p_accept(x)  # P(no rejection so far)
         return ((1 - self.survive) <= self.spec.acceptance_head_threshold) | (step + 1 < self.min_tokens)
 
 

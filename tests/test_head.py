@@ -59,7 +59,11 @@ def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):
     meta = json.load(open(os.path.join(out, "head.json")))
     assert meta["report"]["train_examples"] > 100 and meta["report"]["calibration"]
     head = AcceptanceHead.load(out)
-    assert head.cfg.hidden_size == 64
+    assert head.cfg.hidden_size == 64 and head.cfg.reads == "proposing" and head.out.in_features == 66
+    fed = str(tmp_path / "fed")
+    assert cli(["train-head", str(tmp_path / "job.yaml"), "--out", fed, "--epochs", "1", "--no-progress",
+                "--reads", "fed", "--max-prompts", "4"]) == 0
+    assert AcceptanceHead.load(fed).cfg.reads == "fed" and AcceptanceHead.load(fed).out.in_features == 64
 
     # the policy with a head: lossless, and per-row lengths between the bounds
     target = tiny_llama(seed=0)
@@ -81,3 +85,54 @@ def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):
         lengths = [d for r in res for d in r.draft_lengths]  # rounds near max_new may be cut shorter
         want = 2 if threshold == 0.3 else 4  # 1 - 0.5^2 = 0.75 > 0.3; 1 - 0.5^3 <= 0.9 < 1 - 0.5^4
         assert max(lengths) == want and lengths.count(want) > 0.7 * len(lengths)
+
+
+def _flat_head(folder: str, reads: str) -> str:
+    """A head predicting P(accept) = 0.5 everywhere."""
+    head = AcceptanceHead(HeadConfig(hidden_size=64, num_layers=1, reads=reads))
+    torch.nn.init.zeros_(head.out.weight)
+    torch.nn.init.zeros_(head.out.bias)
+    head.save(folder)
+    return folder
+
+
+def test_proposing_head_is_lossless_and_saves_the_extra_draft_forward(tmp_path):
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.02)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (6, 13, 2)]
+    sp = SamplingParams(max_new_tokens=24)
+    ref = SpecEngine(make_pair(target), sp, SpecConfig(method="none")).generate(prompts)
+    forwards = {}
+    for reads in ("fed", "proposing"):
+        spec = SpecConfig(draft_length="acceptance_head", acceptance_head_path=_flat_head(str(tmp_path / reads), reads),
+                          acceptance_head_threshold=0.3, max_draft_tokens=8)
+        res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=1).generate(prompts)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+        full = [(r.draft_forwards, r.rounds) for r in res]
+        assert all(d == 2 for r in res for d in r.draft_lengths[:-1])  # 1 - 0.5^2 > 0.3: the 2-token minimum
+        forwards[reads] = sum(f for f, _ in full) / sum(n for _, n in full)
+    # at batch 1 a 2-token round costs 2 draft forwards (catch-up + one step); the fed head needs a third
+    # (rounds cut short by max_new_tokens need fewer)
+    assert forwards["proposing"] == pytest.approx(2.0, abs=0.15)
+    assert forwards["fed"] - forwards["proposing"] > 0.75
+
+
+def test_proposing_examples_read_the_state_that_drew_the_token():
+    from specdec.head import build_examples
+
+    target = tiny_llama(seed=0)
+    draft = noisy_copy(target, 0.05)
+    prompt, response = [3, 14, 15, 9, 2], [6, 5, 35, 8, 91, 9, 3, 2]
+    cfg = HeadConfig(hidden_size=64, reads="proposing")
+    x, y = build_examples(target, draft, prompt, response, SamplingParams(max_new_tokens=8), cfg,
+                          torch.Generator().manual_seed(0), vocab=96)
+    assert x.shape == (len(response), 64 + 2) and y.shape == (len(response),)
+    with torch.no_grad():
+        seq = torch.tensor([prompt + response])
+        lt, ld = target(seq).logits[0, 4:-1], draft(seq).logits[0, 4:-1]
+        hd = draft.get_decoder()(input_ids=seq).last_hidden_state[0, 4:-1]
+    assert torch.equal(y, (lt.argmax(-1) == ld.argmax(-1)).float())  # greedy label: the argmaxes agree
+    assert torch.allclose(x[:, :64], hd, atol=1e-5)
+    q_top = torch.softmax(ld, -1).max(-1).values
+    assert torch.allclose(x[:, 64], q_top, atol=1e-5) and torch.allclose(x[:, 65], q_top.log(), atol=1e-4)

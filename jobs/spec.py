@@ -71,7 +71,7 @@ class AcceptanceHeadSpec(_Strict):
 
 class SpeculationSpec(_Strict):
     method: Literal["none", "draft_model", "prompt_lookup"] = "draft_model"
-    num_draft_tokens: int = Field(4, ge=0, description="fixed length, and the start of adaptive policies")
+    num_draft_tokens: int = Field(4, ge=0, description="fixed length, and where heuristic starts")
     draft_length: Literal["fixed", "heuristic", "confidence", "acceptance_head", "goodput"] = "fixed"
     max_draft_tokens: int = Field(16, ge=1, le=64)
     verification: Literal["lossless", "fuzzy", "conditional"] = "lossless"

@@ -36,7 +36,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class SpecConfig:
     method: Method = "draft_model"
-    num_draft_tokens: int = 4  # fixed length, and the start value of adaptive policies
+    num_draft_tokens: int = 4  # fixed length, and where heuristic starts
     draft_length: DraftLength = "fixed"
     max_draft_tokens: int = 16
     verification: Verification = "lossless"

@@ -113,18 +113,28 @@ class GoodputLength(LengthPolicy):
     one (tokens after a rejection are never tested; accepted / drafted would bias a low for long
     drafts), shrunk towards the batch-wide rate (a Beta prior worth `prior_weight` tokens).
 
-    Round times are measured, not assumed, per (batch-size bucket, K), from the round's start to its
-    first host sync (so a GPU's queued work is counted): the estimate is the minimum of the last
-    `samples` measurements, since timing noise only ever adds. Only 0 and the neighbours of the
-    current choice are tried when untimed (a hill climb, not a sweep), a neighbour last timed more
-    than `refresh` rounds ago is timed again (one slow sample, say a first call at a new shape,
-    cannot lock a choice in), and a bucket not yet timed borrows the nearest bucket's times scaled
-    by batch size.
+    Round times are measured, not assumed, per (batch-size bucket, K actually drafted), from the
+    round's start to its first host sync (so a GPU's queued work is counted). A plain round's time is
+    the bucket's level (the minimum of its last `samples` plain rounds, since timing noise only ever
+    adds); a speculative round is kept as its ratio to the level of its time, and its estimate is
+    that ratio (the minimum kept) times the current level. Rounds get slower as rows grow longer and
+    a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
+    drifts with the level. Each bucket times `samples` plain rounds before anything else. A bucket
+    not yet timed borrows the nearest bucket's ratios and its level scaled by batch size.
+
+    Exploration is bounded by what a length could gain: K = 0 is timed first, and an untimed K is
+    tried only if it would beat the current choice even at the cost of the dearest shorter K timed
+    (a round never gets cheaper by drafting more). Where speculation loses (a compute-bound target,
+    a large batch) that stops after one round of K = 1; where it wins, the search walks up as far as
+    it pays. A neighbour of the choice (K - 1, K + 1, and 0) is timed again once it is `refresh`
+    rounds stale, so one slow sample cannot lock a choice in; each re-timing that leaves the choice
+    as it was doubles that wait (a steady batch stops paying for probes), a change resets it.
     """
 
     prior_weight = 4.0
     samples = 3
     refresh = 24
+    max_wait = 1 << 12
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         super().__init__(spec, slots, memory)
@@ -133,61 +143,99 @@ class GoodputLength(LengthPolicy):
         self.total = self.memory.setdefault("goodput_total", [1.0, 2.0])  # accepted, tested (weak 0.5 start)
         self.times: dict[tuple[int, int], list[float]] = self.memory.setdefault("goodput_times", {})
         self.stamp: dict[tuple[int, int], int] = self.memory.setdefault("goodput_stamp", {})
+        self.best: dict[int, int] = self.memory.setdefault("goodput_best", {})  # per bucket
+        self.wait: dict[int, int] = self.memory.setdefault("goodput_wait", {})  # re-timing interval per bucket
         self.memory.setdefault("goodput_round", 0)
-        self._round: tuple[int, int, float] | None = None
+        self._round: tuple[int, float] | None = None
+        self._probe: tuple[int, int] | None = None  # (bucket, choice before) while re-timing a neighbour
+        self._expected: tuple[int, list[float]] | None = None  # (n, tokens) until a row or a rate changes
 
     def admit(self, start: int, end: int) -> None:
         self.tested[start:end] = 0
         self.accepted[start:end] = 0
+        self._expected = None
 
-    def expected_tokens(self, n: int, k: int) -> float:
+    def expected_tokens(self, n: int, top: int) -> list[float]:
+        """Expected emitted tokens of the batch's first n rows for K = 0..top (one host transfer)."""
+        if self._expected is not None and self._expected[0] == n:
+            return self._expected[1]  # plain rounds test nothing: the rates stand
         rate = self.total[0] / self.total[1]
         w = self.prior_weight
-        a = ((self.accepted[:n] + w * rate) / (self.tested[:n] + w)).clamp(0.0, 0.999)
-        return float(((1 - a ** (k + 1)) / (1 - a)).sum())
+        a = ((self.accepted[:n] + w * rate) / (self.tested[:n] + w)).clamp(0.0, 0.999)[:, None]
+        k = torch.arange(top + 1, device=a.device, dtype=a.dtype)[None, :]
+        tokens = ((1 - a ** (k + 1)) / (1 - a)).sum(0).tolist()
+        self._expected = (n, tokens)
+        return tokens
 
     bucket = staticmethod(VerifyWidths.bucket)  # batch sizes timed per power of two
 
-    def estimate(self, b: int, k: int) -> float | None:
-        """Round time of length k at bucket b (as if full): measured, else scaled from the nearest bucket."""
+    def _kept(self, b: int, k: int) -> tuple[int, list[float]] | None:
+        """The samples of length k at bucket b, else at the nearest bucket that has some."""
         if (b, k) in self.times:
-            return min(self.times[(b, k)])
+            return b, self.times[(b, k)]
         known = [bb for (bb, kk) in self.times if kk == k]
         if not known:
             return None
         near = min(known, key=lambda bb: abs(bb.bit_length() - b.bit_length()))
-        return min(self.times[(near, k)]) * b / near
+        return near, self.times[(near, k)]
+
+    def estimate(self, b: int, k: int) -> float | None:
+        """Round time of length k at bucket b (as if full): the level times k's ratio to it."""
+        level = self._kept(b, 0)
+        if level is None:
+            return None
+        t = min(level[1]) * b / level[0]
+        if k == 0:
+            return t
+        ratio = self._kept(b, k)
+        return None if ratio is None else t * min(ratio[1])
 
     def choose(self, n: int) -> int:
         top, b = self.spec.max_draft_tokens, self.bucket(n)
-        best = self.memory.get("goodput_best", min(self.spec.num_draft_tokens, top))
-        # explore around the current choice only: no sweep of every length at every batch size
-        near = [k for k in sorted({0, best - 1, best, best + 1}) if 0 <= k <= top]
-        for k in near:
-            if self.estimate(b, k) is None:
+        if len(self.times.get((b, 0), ())) < self.samples and (b, 0) in self.times or self._kept(b, 0) is None:
+            return 0  # the baseline first: every other length is measured against it
+        cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
+        tokens = self.expected_tokens(n, top)
+        best = max(cost, key=lambda k: tokens[k] / cost[k])
+        goal = tokens[best] / cost[best]
+        if self._probe is not None and self._probe[0] == b:  # a re-timing just ran: did it change anything?
+            wait = self.wait.get(b, self.refresh)
+            self.wait[b] = min(2 * wait, self.max_wait) if best == self._probe[1] else self.refresh
+        self._probe = None
+        self.best[b] = best
+        floor = 0.0
+        for k in range(top + 1):  # the shortest untimed length that could still win
+            if k in cost:
+                floor = max(floor, cost[k])
+            elif tokens[k] / floor > goal:
                 return k
-        now = self.memory["goodput_round"]
-        for k in near:
-            if k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > self.refresh:
+        now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
+        for k in (best - 1, best + 1, 0):
+            if 0 <= k <= top and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
+                self._probe = (b, best)
                 return k
-        timed = [k for k in range(top + 1) if self.estimate(b, k) is not None]
-        best = max(timed, key=lambda k: self.expected_tokens(n, k) / (self.estimate(b, k) * n / b))
-        self.memory["goodput_best"] = best
         return best
 
     def limits(self, n: int) -> torch.Tensor:
         k = self.choose(n)
-        self._round = (self.bucket(n), k, time.perf_counter())
+        self._round = (self.bucket(n), time.perf_counter())
         return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
 
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
-        if self._round is not None:
-            rn, k, t0 = self._round
+        k = int(drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
+        if self._round is not None and n:
+            rn, t0 = self._round
             dt = (time.perf_counter() - t0) * rn / n  # as if the bucket were full
-            self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt])[-self.samples:]
-            self.stamp[(rn, k)] = self.memory["goodput_round"]
-            self._round = None
+            level = self.estimate(rn, 0)
+            if k == 0 or level is not None:
+                sample = dt if k == 0 else dt / level
+                self.times[(rn, k)] = (self.times.get((rn, k), []) + [sample])[-self.samples:]
+                self.stamp[(rn, k)] = self.memory["goodput_round"]
+        self._round = None
         self.memory["goodput_round"] += 1
+        if k == 0:
+            return  # a plain round tests nothing: the rates stand
+        self._expected = None
         a = accepted.to(torch.float64)
         tested = a + (accepted < drafted).to(torch.float64)  # the first rejected token was tested too
         self.accepted[:n] += a

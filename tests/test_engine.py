@@ -166,18 +166,52 @@ def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, ref
 def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
     from specdec.policy import GoodputLength, Slots
     slots = Slots(8, "cpu")
-    memory = {"goodput_times": {(8, k): [1.0 + draft_cost * k] for k in range(7)}, "goodput_best": expected}
+    memory = {"goodput_times": {(8, k): [1.0 + draft_cost * k] * 3 for k in range(7)}}  # K=0: 1 s, others x
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=6), slots, memory)
     pol.admit(0, 8)
     pol.tested[:8] = 1000.0
     pol.accepted[:8] = 1000.0 * rate
     assert pol.choose(8) == expected
-    assert memory["goodput_best"] == expected
+    assert memory["goodput_best"] == {8: expected}
     # a batch-size bucket not timed yet borrows bucket 8's times (scaled): same choice, no exploration
     assert pol.bucket(3) == 4 and pol.choose(3) == expected
-    # with nothing timed, 0 and the neighbours of the current choice are tried first
+    # with nothing timed, the plain round (the baseline) is timed first
     fresh = GoodputLength(SpecConfig(draft_length="goodput", num_draft_tokens=3, max_draft_tokens=6), slots, {})
     assert fresh.choose(8) == 0
+
+
+def drive_goodput(pol, n, cost, rate, rounds, gen):
+    """Run `rounds` rounds of a goodput policy against a simulated batch: round time cost[K] (seconds,
+    slept) and per-token acceptance `rate`; returns the K of every round."""
+    import time
+    chosen = []
+    for _ in range(rounds):
+        k = int(pol.limits(n)[0])
+        time.sleep(cost[k])
+        passes = torch.rand((n, max(k, 1)), generator=gen) < rate
+        accepted = torch.cumprod(passes.long(), dim=1)[:, :k].sum(1)
+        pol.observe(n, torch.full((n,), k), accepted)
+        chosen.append(k)
+    return chosen
+
+
+def test_goodput_explores_only_lengths_that_could_win():
+    """Where one drafted token already costs more than it can earn (a compute-bound target), the longer
+    lengths are never tried: they would cost at least as much and earn at most (1 - a^(K+1))/(1 - a)."""
+    from specdec.policy import GoodputLength, Slots
+    gen = torch.Generator().manual_seed(0)
+    cost = {0: 0.004, 1: 0.012, 2: 0.016, 3: 0.020, 4: 0.024}  # K=1: 1.5 tokens for 3x the time
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
+    pol.admit(0, 8)
+    chosen = drive_goodput(pol, 8, cost, 0.5, 60, gen)
+    assert chosen[:4] == [0, 0, 0, 1] and set(chosen) == {0, 1}  # plain rounds first: the baseline
+    assert chosen.count(1) <= 3  # the first timing and re-timings only, whose wait doubles each time
+    # memory-bound (each drafted token nearly free) and a good draft: the search walks up to the top
+    cheap = {k: 0.004 + 0.0004 * k for k in range(5)}
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
+    pol.admit(0, 8)
+    chosen = drive_goodput(pol, 8, cheap, 0.9, 40, gen)
+    assert chosen[:7] == [0, 0, 0, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
 
 
 def test_goodput_acceptance_estimate_is_unbiased_for_long_drafts():
@@ -193,26 +227,55 @@ def test_goodput_acceptance_estimate_is_unbiased_for_long_drafts():
         passes = torch.rand((n, k), generator=gen) < a
         accepted = torch.cumprod(passes.long(), dim=1).sum(1)  # leading run of accepted tokens
         pol.observe(n, drafted, accepted)
-    per_row = pol.expected_tokens(n, k) / n
+    per_row = pol.expected_tokens(n, k)[k] / n
     assert per_row == pytest.approx((1 - a ** (k + 1)) / (1 - a), rel=0.05)
 
 
 def test_goodput_retimes_a_stale_neighbour():
-    """One slow sample of K=0 (a first call, a preempted round) must not keep speculation on for good:
-    after `refresh` rounds K=0 is timed again, and the faster measurement wins."""
+    """A length measured once, slowly (a busy machine, a first call at a new shape), must not stay
+    shunned for good: once `refresh` rounds stale it is timed again, and the new measurement counts.
+    A re-timing that confirms the choice doubles the wait before the next one."""
     from specdec.policy import GoodputLength, Slots
-    memory = {"goodput_times": {(8, 0): [5.0], (8, 1): [1.6], (8, 2): [2.2]}, "goodput_best": 1,
+    memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.6], (8, 2): [2.2]},  # K>0: ratios to K=0
               "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0}
-    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), memory)
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=2), Slots(8, "cpu"), memory)
     pol.admit(0, 8)
-    pol.tested[:8], pol.accepted[:8] = 1000.0, 400.0  # K=1: 1.4 tokens per 1.6 s beats K=0's 1 per 5 s
-    assert pol.choose(8) == 1
-    memory["goodput_round"] = GoodputLength.refresh + 1
-    memory["goodput_stamp"].update({(8, 1): memory["goodput_round"], (8, 2): memory["goodput_round"]})
-    assert pol.choose(8) == 0  # stale: timed again
-    memory["goodput_times"][(8, 0)].append(1.0)  # the real cost of a plain round
-    memory["goodput_stamp"][(8, 0)] = memory["goodput_round"]
-    assert pol.choose(8) == 0  # 1 token per 1.0 s beats 1.4 per 1.6 s
+    pol.tested[:8], pol.accepted[:8] = 1000.0, 400.0  # a = 0.4: K=1 earns 1.4 tokens, K=2 1.56
+    assert pol.choose(8) == 0  # 1 token per 1.0 s beats 1.4 per 1.6 s and 1.56 per 2.2 s
+    refresh = GoodputLength.refresh
+    memory["goodput_round"] = now = refresh + 1
+    memory["goodput_stamp"].update({(8, 0): now, (8, 2): now})  # K=0 ran all along; K=2 was re-timed
+    assert pol.choose(8) == 1  # stale: timed again
+    memory["goodput_times"][(8, 1)].append(1.2)
+    memory["goodput_stamp"][(8, 1)] = now
+    assert pol.choose(8) == 1  # 1.4 tokens per 1.2 s now beats 1 per 1.0 s
+    assert memory["goodput_wait"][8] == refresh  # the choice changed: the wait starts over
+    memory["goodput_round"] = now = now + refresh + 1
+    memory["goodput_stamp"].update({(8, 1): now, (8, 2): now})  # K=1 ran all along; K=2 was re-timed
+    assert pol.choose(8) == 0  # K=0 is stale: re-timed, and it confirms K=1
+    memory["goodput_stamp"][(8, 0)] = now
+    assert pol.choose(8) == 1 and memory["goodput_wait"][8] == 2 * refresh
+    memory["goodput_round"] = now + 2 * refresh
+    assert pol.choose(8) == 1  # not stale under the doubled wait
+    memory["goodput_round"] = now + 2 * refresh + 1
+    assert pol.choose(8) == 0
+
+
+def test_goodput_ratios_follow_the_level():
+    """Rounds slow down as rows grow: a length kept as a ratio to the plain round's time stays
+    comparable to plain rounds timed much later (an absolute time from early on would look cheap)."""
+    from specdec.policy import GoodputLength, Slots
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=1), Slots(8, "cpu"), {})
+    pol.admit(0, 8)
+    pol.tested[:8], pol.accepted[:8] = 1000.0, 400.0
+    pol.times[(8, 0)] = [0.100] * 3
+    pol.times[(8, 1)] = [1.6]  # 0.16 s when plain rounds took 0.10
+    assert pol.estimate(8, 1) == pytest.approx(0.16)
+    pol.times[(8, 0)] = [0.140] * 3  # rows are longer now
+    assert pol.estimate(8, 1) == pytest.approx(0.224)
+    assert pol.choose(8) == 0  # 1.4 / 0.224 < 1 / 0.14; with 0.16 absolute it would have been K=1
+    # a bucket with nothing of its own borrows the nearest level (scaled by batch size) and ratios
+    assert pol.estimate(16, 1) == pytest.approx(0.224 * 2)
 
 
 def test_verify_widths_explore_then_pad_only_when_measured_cheaper():

@@ -54,6 +54,10 @@ class LengthPolicy:
     def limits(self, n: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def drafts_soon(self, n: int) -> bool:
+        """Will a batch of n rows draft next round? If not, a drafter may defer work for new rows."""
+        return True
+
     def keep(self, step: int, token_prob: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor | None:
         return None
 
@@ -215,6 +219,9 @@ class GoodputLength(LengthPolicy):
                 self._probe = (b, best)
                 return k
         return best
+
+    def drafts_soon(self, n: int) -> bool:
+        return self.best.get(self.bucket(n)) != 0  # speculation is off at this size: rows join unprefilled
 
     def limits(self, n: int) -> torch.Tensor:
         k = self.choose(n)

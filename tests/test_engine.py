@@ -214,6 +214,42 @@ def test_goodput_explores_only_lengths_that_could_win():
     assert chosen[:7] == [0, 0, 0, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
 
 
+@pytest.mark.parametrize("kind", ["same", "noisy"])
+def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind):
+    """While goodput's choice is K=0, admitted rows are not prefilled in the draft; the first drafting
+    round feeds them whole. With the target as its own draft every drafted token must then be accepted
+    (a wrong draft cache would propose other tokens), and output stays equal to plain greedy."""
+    from specdec.policy import GoodputLength
+    bs = 3
+    b = GoodputLength.bucket(bs)
+    eng = SpecEngine(pair(target, drafts[kind]), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(method="draft_model", draft_length="goodput", max_draft_tokens=4), batch_size=bs)
+    eng.policy_memory.update({"goodput_best": {b: 0},  # off when the first rows join ...
+                              "goodput_total": [99.0, 100.0],  # ... but drafting pays from the first round
+                              "goodput_times": {(b, 0): [1.0] * 3, **{(b, k): [1.0 + 0.01 * k] for k in range(1, 5)}}})
+    from specdec.proposers.draft_model import DraftModelProposer
+    joined = []
+    admit = DraftModelProposer.admit
+
+    def spy(self, start, end):
+        admit(self, start, end)
+        joined.append(self.d_len[start:end].tolist())
+
+    DraftModelProposer.admit = spy
+    try:
+        results = eng.generate(prompts)
+    finally:
+        DraftModelProposer.admit = admit
+    assert joined[0] == [0] * bs  # the first rows joined unprefilled
+    assert any(v > 0 for later in joined[1:] for v in later)  # once drafting, rows are prefilled on joining
+    assert [r.token_ids for r in results] == reference
+    for r in results:
+        check_stats(r)
+        assert r.draft_lengths[0] > 0
+    if kind == "same":
+        assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in results)
+
+
 def test_goodput_acceptance_estimate_is_unbiased_for_long_drafts():
     """Per-token acceptance comes from tested tokens (accepted + the first rejected one): with K=4
     drafts and a true rate of 0.6, accepted / drafted would say ~0.3 and shun long drafts."""

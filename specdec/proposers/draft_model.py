@@ -2,7 +2,8 @@
 
 Per round a row first feeds the tokens its draft cache has not seen (the pending token, plus the last
 accepted draft token after a fully accepted round: 1 or 2 tokens, more after rounds without
-speculation), then drafts one token per forward. Rows whose policy stopped them keep riding along in
+speculation, the whole row if it joined while the policy was not drafting), then drafts one token per
+forward. Rows whose policy stopped them keep riding along in
 the batch forward (their extra tokens are not proposed), so the whole batch stays one tensor.
 """
 
@@ -31,7 +32,10 @@ class DraftModelProposer(Proposer):
 
     def admit(self, start: int, end: int) -> None:
         b = self.batch
-        self.d_len[start:end] = b.prefill(self.model, self.cache, start, end)
+        if b.policy.drafts_soon(end):
+            self.d_len[start:end] = b.prefill(self.model, self.cache, start, end)
+        else:  # no speculation for now: the first drafting round's catch-up feeds the whole row
+            self.d_len[start:end] = 0
 
     def propose(self, n: int, limits: torch.Tensor) -> Draft:
         b = self.batch

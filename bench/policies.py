@@ -1,12 +1,13 @@
 """Draft-length policies on the real pair, held-out prompts, one run: fixed k, heuristic, confidence,
 goodput and the SpecDec++ acceptance head (a threshold sweep), at several batch sizes.
 
-    specbatch train-head configs/train_head_pair.yaml --out .cache/heads/smollm2-draft-4l   # once
-    python bench/policies.py --head .cache/heads/smollm2-draft-4l [--batches 1,8,32] [--repeats 2]
+    specbatch train-head configs/train_head_pair.yaml --out .cache/heads/proposing   # once, ~3 min on CPU
+    python bench/policies.py --head .cache/heads/proposing [--batches 1,8,32] [--max-draft 4] [--repeats 3]
 
-Prints decode tokens/s and its ratio to autoregressive at the same batch size, tokens per target
-call, acceptance rate, and SpecDec++'s hardware-independent figures: discard rate (discarded draft
-tokens per generated token) and verification rate (target calls per generated token).
+Prints decode tokens/s of the fastest run and its ratio to autoregressive's fastest at the same batch
+size, the ratio of the medians (over --repeats), tokens per target call, acceptance rate, and
+SpecDec++'s hardware-independent figures: discard rate (discarded draft tokens per generated token)
+and verification rate (target calls per generated token).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -37,6 +39,9 @@ def main():
                     help="runs of every policy, interleaved; the fastest counts (timing noise only slows)")
     ap.add_argument("--policies", default="fixed,heuristic,confidence,goodput,head",
                     help="which families to run besides autoregressive (trim to fit a time limit)")
+    ap.add_argument("--max-draft", type=int, default=8, help="max_draft_tokens of the adaptive policies")
+    ap.add_argument("--compare-padding", action="store_true",
+                    help="also run every fixed k with verify_padding off (what measured verify widths gain)")
     add_model_args(ap)
     args = ap.parse_args()
     families = set(args.policies.split(","))
@@ -47,29 +52,36 @@ def main():
     print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, draft_vocab={dv}, "
           f"best of {args.repeats} interleaved runs, {describe(pair.device)}")
     engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
-    print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'tok/call':>8s} {'accept':>6s} "
+    print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'median':>6s} {'tok/call':>8s} {'accept':>6s} "
           f"{'discard':>7s} {'verify':>6s} {'=AR':>4s}")
     for bs in (int(b) for b in args.batches.split(",")):
         prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(args.queue * bs))])
         runs = [("autoregressive", dict(method="none", k=0))]
         if "fixed" in families:
-            runs += [(f"fixed k={k}", dict(method="draft_model", k=k)) for k in map(int, args.ks.split(","))]
+            for k in map(int, args.ks.split(",")):
+                fixed = dict(method="draft_model", k=k, max_draft_tokens=max(k, args.max_draft))  # same padding room
+                runs.append((f"fixed k={k}", fixed))
+                if args.compare_padding:
+                    runs.append((f"fixed k={k} unpadded", dict(fixed, verify_padding=False)))
         adaptive = [("heuristic", "heuristic", dict(method="draft_model", k=2, draft_length="heuristic")),
                     ("confidence", "confidence 0.4",
-                     dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=8)),
-                    ("goodput", "goodput", dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=8))]
+                     dict(method="draft_model", k=2, draft_length="confidence", max_draft_tokens=args.max_draft)),
+                    ("goodput", "goodput",
+                     dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=args.max_draft))]
         runs += [(label, kw) for family, label, kw in adaptive if family in families]
         for head in args.head if "head" in families else []:
             runs += [(f"head {os.path.basename(head.rstrip('/'))} h={t}",
                       dict(method="draft_model", k=2, draft_length="acceptance_head", acceptance_head_path=head,
-                           max_draft_tokens=8, acceptance_head_threshold=float(t)))
+                           max_draft_tokens=args.max_draft, acceptance_head_threshold=float(t)))
                      for t in args.thresholds.split(",")]
         best: dict[str, dict] = {}
+        speeds: dict[str, list[float]] = {}
         for _ in range(args.repeats):
             for name, kw in runs:
                 kw = dict(kw)
                 method, k = kw.pop("method"), kw.pop("k")
                 r = engine_run(pair, prompts, method, bs, k, args.max_new, draft_vocab=dv, **kw)
+                speeds.setdefault(name, []).append(r["tok_s"])
                 if name not in best or r["tok_s"] > best[name]["tok_s"]:
                     best[name] = r
         base = best["autoregressive"]
@@ -77,8 +89,9 @@ def main():
             r = best[name]
             acc = f"{r['accept']:.2f}" if r["accept"] is not None else "-"
             same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+            med = statistics.median(speeds[name]) / statistics.median(speeds["autoregressive"])
             print(f"{name:30s} {bs:5d} {len(prompts):5d} {r['tok_s']:7.1f} {r['tok_s'] / base['tok_s']:6.2f} "
-                  f"{r['per_call']:8.2f} {acc:>6s} {r['discard']:7.2f} {r['verify']:6.2f} "
+                  f"{med:6.2f} {r['per_call']:8.2f} {acc:>6s} {r['discard']:7.2f} {r['verify']:6.2f} "
                   f"{same:2d}/{len(prompts)}", flush=True)
 
 

@@ -45,10 +45,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
-    eng = SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
-                                draft_vocab=draft_vocab, **spec), batch_size=bs)
+def make_engine(pair, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
+    return SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
+                      SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
+                                 draft_vocab=draft_vocab, **spec), batch_size=bs)
+
+
+def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, engine=None, **spec):
+    """Time one generate() over `prompts`; a fresh engine unless `engine` (one that ran before) is given."""
+    eng = engine or make_engine(pair, method, bs, k, max_new, draft_length, draft_vocab, **spec)
     sync(pair.device)
     t = time.perf_counter()
     res = eng.generate(prompts)

@@ -51,13 +51,17 @@ def make_engine(pair, method, bs, k, max_new, draft_length="fixed", draft_vocab=
                                  draft_vocab=draft_vocab, **spec), batch_size=bs)
 
 
-def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, engine=None, **spec):
-    """Time one generate() over `prompts`; a fresh engine unless `engine` (one that ran before) is given."""
-    eng = engine or make_engine(pair, method, bs, k, max_new, draft_length, draft_vocab, **spec)
-    sync(pair.device)
+def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
+    """Time one generate() over `prompts` on a fresh engine."""
+    return timed_generate(make_engine(pair, method, bs, k, max_new, draft_length, draft_vocab, **spec), prompts)
+
+
+def timed_generate(eng, prompts):
+    """Time one generate() over `prompts` on `eng`: tokens/s and the speculation figures."""
+    sync(eng.device)
     t = time.perf_counter()
     res = eng.generate(prompts)
-    sync(pair.device)
+    sync(eng.device)
     wall = time.perf_counter() - t
     gen = sum(r.generated_tokens for r in res)
     rounds = sum(r.rounds for r in res)

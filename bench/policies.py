@@ -19,7 +19,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_speed import add_model_args, describe, engine_run, load_bench_pair, make_engine  # noqa: E402
+from engine_speed import add_model_args, describe, engine_run, load_bench_pair, make_engine, timed_generate  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 FAMILIES = {"fixed", "heuristic", "confidence", "goodput", "head"}
@@ -79,18 +79,20 @@ def main():
                      for t in args.thresholds.split(",")]
         best: dict[str, dict] = {}
         speeds: dict[str, list[float]] = {}
-        engines: dict[str, object] = {}
+
+        def build(kw):
+            kw = dict(kw)
+            return make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
+
+        engines = {}
         if args.warm:  # other prompts than the timed ones, as a worker's earlier shards would be
             others = chat_ids(pair.tokenizer, (HELD_OUT * 16)[8 : 8 + len(prompts)])
             for name, kw in runs:
-                kw = dict(kw)
-                engines[name] = make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
+                engines[name] = build(kw)
                 engines[name].generate(others)
         for _ in range(args.repeats):
             for name, kw in runs:
-                kw = dict(kw)
-                method, k = kw.pop("method"), kw.pop("k")
-                r = engine_run(pair, prompts, method, bs, k, args.max_new, draft_vocab=dv, engine=engines.get(name), **kw)
+                r = timed_generate(engines.get(name) or build(kw), prompts)
                 speeds.setdefault(name, []).append(r["tok_s"])
                 if name not in best or r["tok_s"] > best[name]["tok_s"]:
                     best[name] = r

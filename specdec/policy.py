@@ -196,7 +196,8 @@ class GoodputLength(LengthPolicy):
 
     def choose(self, n: int) -> int:
         top, b = self.spec.max_draft_tokens, self.bucket(n)
-        if len(self.times.get((b, 0), ())) < self.samples and (b, 0) in self.times or self._kept(b, 0) is None:
+        own = self.times.get((b, 0))
+        if self._kept(b, 0) is None or (own is not None and len(own) < self.samples):
             return 0  # the baseline first: every other length is measured against it
         cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
         tokens = self.expected_tokens(n, top)
@@ -233,10 +234,9 @@ class GoodputLength(LengthPolicy):
         if self._round is not None and n:
             rn, t0 = self._round
             dt = (time.perf_counter() - t0) * rn / n  # as if the bucket were full
-            level = self.estimate(rn, 0)
-            if k == 0 or level is not None:
-                sample = dt if k == 0 else dt / level
-                self.times[(rn, k)] = (self.times.get((rn, k), []) + [sample])[-self.samples:]
+            level = 1.0 if k == 0 else self.estimate(rn, 0)  # plain rounds are the level; others a ratio to it
+            if level is not None:
+                self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt / level])[-self.samples:]
                 self.stamp[(rn, k)] = self.memory["goodput_round"]
         self._round = None
         self.memory["goodput_round"] += 1

@@ -215,7 +215,8 @@ def test_goodput_explores_only_lengths_that_could_win():
 
 
 @pytest.mark.parametrize("kind", ["same", "noisy"])
-def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind):
+def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind,
+                                                                  monkeypatch):
     """While goodput's choice is K=0, admitted rows are not prefilled in the draft; the first drafting
     round feeds them whole. With the target as its own draft every drafted token must then be accepted
     (a wrong draft cache would propose other tokens), and output stays equal to plain greedy."""
@@ -235,11 +236,8 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
         admit(self, start, end)
         joined.append(self.d_len[start:end].tolist())
 
-    DraftModelProposer.admit = spy
-    try:
-        results = eng.generate(prompts)
-    finally:
-        DraftModelProposer.admit = admit
+    monkeypatch.setattr(DraftModelProposer, "admit", spy)
+    results = eng.generate(prompts)
     assert joined[0] == [0] * bs  # the first rows joined unprefilled
     assert any(v > 0 for later in joined[1:] for v in later)  # once drafting, rows are prefilled on joining
     assert [r.token_ids for r in results] == reference

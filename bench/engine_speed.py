@@ -4,7 +4,8 @@ own generate (plain and assisted) at batch 1, all in one run so the ratios are c
     python bench/engine_speed.py [--max-new 64] [--prompts 8] [--draft ../shared/models/smollm2-draft-4l]
 
 Prints decode tokens/s (generated tokens / wall time of the whole generate call, prefill included),
-tokens per target call and acceptance rate. On the GPU when there is one (--device), float32 unless --dtype says otherwise.
+tokens per target call and acceptance rate. On the GPU when there is one (--device); --dtype auto (the
+default) is bfloat16 where the device computes it natively (a GPU, a CPU with AVX512-BF16/AMX), else float32.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def add_model_args(ap: argparse.ArgumentParser):
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
     ap.add_argument("--target", default=TARGET.path, help="target folder or pypi:NAME==VERSION")
     ap.add_argument("--target-gguf", default=TARGET.gguf_file)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (specdec.models.resolve_dtype)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -86,10 +87,12 @@ def hf_run(pair, prompts, max_new, assistant=None):
     return {"tok_s": gen / (time.perf_counter() - t), "per_call": None, "accept": None, "tokens": outs}
 
 
-def describe(device) -> str:
-    if str(device).startswith("cuda"):
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"CPU, torch threads={torch.get_num_threads()}"
+def describe(pair) -> str:
+    """The device and the dtype the pair was loaded in (what --dtype auto resolved to)."""
+    dtype = str(next(pair.target.parameters()).dtype).removeprefix("torch.")
+    if str(pair.device).startswith("cuda"):
+        return f"{torch.cuda.get_device_name(pair.device)}, {dtype}, torch {torch.__version__}"
+    return f"CPU, {dtype}, torch threads={torch.get_num_threads()}"
 
 
 def main():
@@ -105,8 +108,7 @@ def main():
     pair = load_bench_pair(args)
     prompts = chat_ids(pair.tokenizer, (HELD_OUT * 8)[: args.prompts])
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"# {len(prompts)} held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, "
-          f"{describe(pair.device)}")
+    print(f"# {len(prompts)} held-out chat prompts, max_new_tokens={args.max_new}, greedy, {describe(pair)}")
     rows = []
     base = {}
     engine_run(pair, prompts[:2], "draft_model", 2, 2, 8)  # warm-up: kernels, allocator

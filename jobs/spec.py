@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-DType = Literal["float32", "float16", "bfloat16"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
 class InputSpec(_Strict):
@@ -40,14 +40,14 @@ class OutputSpec(_Strict):
 class TargetSpec(_Strict):
     path: str = Field(description="HF folder, folder holding gguf_file, or pypi:NAME==VERSION")
     gguf_file: str | None = None
-    dtype: DType = "bfloat16"
+    dtype: DType = "auto"
     tensor_parallel: int = Field(1, ge=1, description="GPUs the target is split over (1 until TP lands)")
 
 
 class DraftSpec(_Strict):
     path: str
     gguf_file: str | None = None
-    dtype: DType = "bfloat16"
+    dtype: DType = "auto"
 
 
 class ModelsSpec(_Strict):

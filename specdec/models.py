@@ -23,6 +23,31 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+DTYPE_NAMES = ("auto", *DTYPES)
+
+
+def native_bf16_cpu() -> bool:
+    """Does this CPU do bfloat16 arithmetic in hardware (AVX512-BF16 or AMX)? Without it oneDNN emulates
+    bfloat16 and a model runs slower than in float32; with it (measured on a 2-core AMD EPYC, SmolLM2-135M
+    at batch 1) a decoding step takes half the time, and a 2-6 token forward costs about a 1-token one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype for a config's `dtype`; `auto` is bfloat16 where the device computes it natively
+    (CUDA with bf16 support, a CPU with AVX512-BF16/AMX), else float16 on older GPUs and float32 on CPU."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r}: choose one of {sorted(DTYPE_NAMES)}")
+    if name != "auto":
+        return DTYPES[name]
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if native_bf16_cpu() else torch.float32
 
 
 class PairMismatchError(ValueError):
@@ -33,7 +58,7 @@ class PairMismatchError(ValueError):
 class ModelSource:
     path: str
     gguf_file: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
 
 
 @dataclass
@@ -93,10 +118,9 @@ def resolve_path(path: str) -> str:
 def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    if src.dtype not in DTYPES:
-        raise ValueError(f"dtype {src.dtype!r}: choose one of {sorted(DTYPES)}")
+    dtype = resolve_dtype(src.dtype, device)
     path = resolve_path(src.path)
-    kwargs = {"dtype": DTYPES[src.dtype], "attn_implementation": "sdpa"}
+    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -5,9 +5,14 @@ goodput and the SpecDec++ acceptance head (a threshold sweep), at several batch 
     python bench/policies.py --head .cache/heads/proposing [--batches 1,8,32] [--max-draft 4] [--repeats 3]
 
 Prints decode tokens/s of the fastest run and its ratio to autoregressive's fastest at the same batch
-size, the ratio of the medians (over --repeats), tokens per target call, acceptance rate, and
-SpecDec++'s hardware-independent figures: discard rate (discarded draft tokens per generated token)
-and verification rate (target calls per generated token).
+size; the paired ratio to autoregressive (median over --repeats, and its range); tokens per target
+call, acceptance rate, and SpecDec++'s hardware-independent figures: discard rate (discarded draft
+tokens per generated token) and verification rate (target calls per generated token).
+
+Paired ratios: a shared machine drifts by 10% over minutes, more than the policies differ at batch 1.
+Every repeat starts with an autoregressive run and one more ends the last repeat; each policy run is
+divided by autoregressive's speed interpolated (by time) between the two runs that bracket it, and the
+policies run in a rotated order each repeat, so no policy always runs just after the baseline.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, engine_run, load_bench_pair, make_engine, timed_generate  # noqa: E402
@@ -36,7 +42,7 @@ def main():
     ap.add_argument("--queue", type=float, default=2.0,
                     help="prompts per batch slot (at least 8 prompts): rows finishing early are replaced, as in a job")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of every policy, interleaved; the fastest counts (timing noise only slows)")
+                    help="runs of every policy, interleaved with autoregressive ones (see paired ratios above)")
     ap.add_argument("--policies", default="fixed,heuristic,confidence,goodput,head",
                     help="which families to run besides autoregressive (trim to fit a time limit)")
     ap.add_argument("--max-draft", type=int, default=8, help="max_draft_tokens of the adaptive policies")
@@ -52,11 +58,11 @@ def main():
         ap.error(f"unknown --policies {sorted(families - FAMILIES)}; choose from {sorted(FAMILIES)}")
     pair = load_bench_pair(args)
     dv = args.draft_vocab
-    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, {args.dtype}, draft_vocab={dv}, "
-          f"best of {args.repeats} interleaved runs{', warm engines' if args.warm else ''}, {describe(pair.device)}")
+    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, draft_vocab={dv}, "
+          f"best of {args.repeats} interleaved runs{', warm engines' if args.warm else ''}, {describe(pair)}")
     engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
-    print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'median':>6s} {'tok/call':>8s} {'accept':>6s} "
-          f"{'discard':>7s} {'verify':>6s} {'=AR':>4s}")
+    print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'paired':>6s} {'range':>10s} "
+          f"{'tok/call':>8s} {'accept':>6s} {'discard':>7s} {'verify':>6s} {'=AR':>4s}")
     for bs in (int(b) for b in args.batches.split(",")):
         prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(args.queue * bs))])
         runs = [("autoregressive", dict(method="none", k=0))]
@@ -78,7 +84,7 @@ def main():
                            max_draft_tokens=args.max_draft, acceptance_head_threshold=float(t)))
                      for t in args.thresholds.split(",")]
         best: dict[str, dict] = {}
-        speeds: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
 
         def build(kw):
             kw = dict(kw)
@@ -90,21 +96,46 @@ def main():
             for name, kw in runs:
                 engines[name] = build(kw)
                 engines[name].generate(others)
-        for _ in range(args.repeats):
-            for name, kw in runs:
-                r = timed_generate(engines.get(name) or build(kw), prompts)
-                speeds.setdefault(name, []).append(r["tok_s"])
-                if name not in best or r["tok_s"] > best[name]["tok_s"]:
-                    best[name] = r
+
+        def run(name, kw):
+            t = time.perf_counter()
+            r = timed_generate(engines.get(name) or build(kw), prompts)
+            r["at"] = (t + time.perf_counter()) / 2
+            if name not in best or r["tok_s"] > best[name]["tok_s"]:
+                best[name] = r
+            return r
+
+        others_runs = runs[1:]
+        baseline = [run(*runs[0])]
+        timed: list[tuple[str, int, dict]] = []  # (policy, repeat, result)
+        for rep in range(args.repeats):
+            shift = rep % max(1, len(others_runs))
+            for name, kw in others_runs[shift:] + others_runs[:shift]:
+                timed.append((name, rep, run(name, kw)))
+            baseline.append(run(*runs[0]))
+        for i in range(args.repeats):  # the baseline against itself: how well pairing cancels drift
+            mid = baseline[i + 1]
+            a, b = baseline[i], baseline[i + 2] if i + 2 < len(baseline) else None
+            if b is not None:
+                ratios.setdefault(runs[0][0], []).append(mid["tok_s"] / interpolate(a, b, mid["at"]))
+        for name, rep, r in timed:
+            ratios.setdefault(name, []).append(r["tok_s"] / interpolate(baseline[rep], baseline[rep + 1], r["at"]))
         base = best["autoregressive"]
         for name, _ in runs:
             r = best[name]
             acc = f"{r['accept']:.2f}" if r["accept"] is not None else "-"
             same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
-            med = statistics.median(speeds[name]) / statistics.median(speeds["autoregressive"])
+            rs = ratios.get(name) or [1.0]
             print(f"{name:30s} {bs:5d} {len(prompts):5d} {r['tok_s']:7.1f} {r['tok_s'] / base['tok_s']:6.2f} "
-                  f"{med:6.2f} {r['per_call']:8.2f} {acc:>6s} {r['discard']:7.2f} {r['verify']:6.2f} "
-                  f"{same:2d}/{len(prompts)}", flush=True)
+                  f"{statistics.median(rs):6.2f} {min(rs):5.2f}-{max(rs):4.2f} {r['per_call']:8.2f} {acc:>6s} "
+                  f"{r['discard']:7.2f} {r['verify']:6.2f} {same:2d}/{len(prompts)}", flush=True)
+
+
+def interpolate(before: dict, after: dict, at: float) -> float:
+    """Autoregressive's tokens/s at time `at`, on the line between two of its runs."""
+    span = after["at"] - before["at"]
+    w = min(max((at - before["at"]) / span, 0.0), 1.0) if span > 0 else 0.5
+    return (1 - w) * before["tok_s"] + w * after["tok_s"]
 
 
 if __name__ == "__main__":

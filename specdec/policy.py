@@ -123,7 +123,10 @@ class GoodputLength(LengthPolicy):
     adds); a speculative round is kept as its ratio to the level of its time, and its estimate is
     that ratio (the minimum kept) times the current level. Rounds get slower as rows grow longer and
     a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
-    drifts with the level. Each bucket times `samples` plain rounds before anything else. A bucket
+    drifts with the level. The ratio is taken against a recent plain round of exactly as many rows
+    where there is one: a batch draining at the end of a run (8 rows, then 7, then 5) would otherwise
+    be scaled to the full bucket as if a round's cost grew with its rows, which a memory-bound step's
+    does not (measured on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times `samples` plain rounds before anything else. A bucket
     not yet timed borrows the nearest bucket's ratios and its level scaled by batch size.
 
     Exploration is bounded by what a length could gain: K = 0 is timed first, and an untimed K is
@@ -149,6 +152,7 @@ class GoodputLength(LengthPolicy):
         self.stamp: dict[tuple[int, int], int] = self.memory.setdefault("goodput_stamp", {})
         self.best: dict[int, int] = self.memory.setdefault("goodput_best", {})  # per bucket
         self.wait: dict[int, int] = self.memory.setdefault("goodput_wait", {})  # re-timing interval per bucket
+        self.plain: dict[int, list[tuple[int, float]]] = self.memory.setdefault("goodput_plain", {})  # per row count
         self.memory.setdefault("goodput_round", 0)
         self._round: tuple[int, float] | None = None
         self._probe: tuple[int, int] | None = None  # (bucket, choice before) while re-timing a neighbour
@@ -229,15 +233,28 @@ class GoodputLength(LengthPolicy):
         self._round = (self.bucket(n), time.perf_counter())
         return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
 
+    def plain_time(self, n: int, b: int) -> float | None:
+        """A plain round's time at n rows: measured at exactly n rows if that is recent, else the bucket's
+        level scaled to n rows (a guess: on memory-bound hardware a round costs about the same at any n)."""
+        kept = self.plain.get(n)
+        if kept and self.memory["goodput_round"] - kept[-1][0] <= self.refresh:
+            return min(t for _, t in kept)
+        level = self.estimate(b, 0)
+        return None if level is None else level * n / b
+
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         k = int(drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
         if self._round is not None and n:
             rn, t0 = self._round
-            dt = (time.perf_counter() - t0) * rn / n  # as if the bucket were full
-            level = 1.0 if k == 0 else self.estimate(rn, 0)  # plain rounds are the level; others a ratio to it
-            if level is not None:
-                self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt / level])[-self.samples:]
-                self.stamp[(rn, k)] = self.memory["goodput_round"]
+            dt = time.perf_counter() - t0
+            now = self.memory["goodput_round"]
+            if k == 0:  # the level, as if the bucket were full; and the raw time at exactly n rows
+                self.times[(rn, 0)] = (self.times.get((rn, 0), []) + [dt * rn / n])[-self.samples:]
+                self.plain[n] = (self.plain.get(n, []) + [(now, dt)])[-self.samples:]
+                self.stamp[(rn, 0)] = now
+            elif (plain := self.plain_time(n, rn)) is not None:  # a ratio to a plain round of as many rows
+                self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt / plain])[-self.samples:]
+                self.stamp[(rn, k)] = now
         self._round = None
         self.memory["goodput_round"] += 1
         if k == 0:

@@ -312,6 +312,36 @@ def test_goodput_ratios_follow_the_level():
     assert pol.estimate(16, 1) == pytest.approx(0.224 * 2)
 
 
+def test_goodput_ratio_against_a_plain_round_of_as_many_rows(monkeypatch):
+    """A draining batch: plain rounds cost about the same at 5 rows as at 8 (memory-bound). A K=1
+    round at 5 rows is kept as a ratio to the plain round at 5 rows (1.5), not to the 8-row level scaled
+    down by 5/8, which would make it look 2.4x a plain round and shut speculation off."""
+    import specdec.policy as policy_mod
+    clock = [0.0]
+    monkeypatch.setattr(policy_mod.time, "perf_counter", lambda: clock[0])
+    pol = policy_mod.GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=1),
+                                   policy_mod.Slots(8, "cpu"), {})
+    pol.admit(0, 8)
+
+    def round_of(n, seconds, k):
+        pol._round = (pol.bucket(n), clock[0])  # what limits() records
+        clock[0] += seconds
+        pol.observe(n, torch.full((n,), k), torch.zeros(n, dtype=torch.int64))
+
+    for _ in range(3):
+        round_of(8, 0.100, 0)
+    round_of(5, 0.090, 0)
+    round_of(5, 0.135, 1)
+    assert pol.times[(8, 1)] == [pytest.approx(1.5)]
+    # no recent plain round at 3 rows: the 8-row level scaled to 3 rows is the reference
+    round_of(3, 0.075, 1)
+    assert pol.times[(4, 1)] == [pytest.approx(0.075 / (0.100 * 3 / 8))]
+    for _ in range(policy_mod.GoodputLength.refresh + 1):  # the 5-row timing goes stale
+        round_of(8, 0.100, 0)
+    round_of(5, 0.135, 1)
+    assert pol.times[(8, 1)][-1] == pytest.approx(0.135 / (0.100 * 5 / 8))
+
+
 def test_verify_widths_explore_then_pad_only_when_measured_cheaper():
     from specdec.widths import VerifyWidths
 

@@ -136,3 +136,16 @@ def test_proposing_examples_read_the_state_that_drew_the_token():
     assert torch.allclose(x[:, :64], hd, atol=1e-5)
     q_top = torch.softmax(ld, -1).max(-1).values
     assert torch.allclose(x[:, 64], q_top, atol=1e-5) and torch.allclose(x[:, 65], q_top.log(), atol=1e-4)
+
+
+def test_proposing_head_starts_from_the_draft_confidence():
+    """Untrained, a proposing head ranks tokens exactly as q(x) does, whatever the draft state: training
+    refines the draft's own confidence instead of starting from noise."""
+    from specdec.head import AcceptanceHead, proposing_features
+
+    head = AcceptanceHead(HeadConfig(hidden_size=32, reads="proposing"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(200, generator=g) * 0.98 + 0.01
+    p = head.p_accept(proposing_features(torch.randn(200, 32, generator=g) * 5, q))
+    assert torch.equal(p.argsort(), q.argsort())
+    assert torch.allclose(p, q / (1 + q), atol=1e-6)  # sigmoid(log q)

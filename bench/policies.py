@@ -114,11 +114,8 @@ def main():
             for name, kw in others_runs[shift:] + others_runs[:shift]:
                 timed.append((name, rep, run(name, kw)))
             baseline.append(run(*runs[0]))
-        for i in range(args.repeats):  # the baseline against itself: how well pairing cancels drift
-            mid = baseline[i + 1]
-            a, b = baseline[i], baseline[i + 2] if i + 2 < len(baseline) else None
-            if b is not None:
-                ratios.setdefault(runs[0][0], []).append(mid["tok_s"] / interpolate(a, b, mid["at"]))
+        for a, mid, b in zip(baseline, baseline[1:], baseline[2:]):  # the baseline against itself: drift left
+            ratios.setdefault(runs[0][0], []).append(mid["tok_s"] / interpolate(a, b, mid["at"]))
         for name, rep, r in timed:
             ratios.setdefault(name, []).append(r["tok_s"] / interpolate(baseline[rep], baseline[rep + 1], r["at"]))
         base = best["autoregressive"]

@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specdec.config import SamplingParams, SpecConfig
-from specdec.models import ModelSource
+from specdec.models import DTYPE_NAMES, ModelSource
 
 
 class ConfigError(ValueError):
@@ -22,7 +22,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-DType = Literal["auto", "float32", "float16", "bfloat16"]
+DType = Literal[DTYPE_NAMES]  # the names specdec.models.resolve_dtype takes
 
 
 class InputSpec(_Strict):

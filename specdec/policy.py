@@ -126,8 +126,9 @@ class GoodputLength(LengthPolicy):
     drifts with the level. The ratio is taken against a recent plain round of exactly as many rows
     where there is one: a batch draining at the end of a run (8 rows, then 7, then 5) would otherwise
     be scaled to the full bucket as if a round's cost grew with its rows, which a memory-bound step's
-    does not (measured on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times `samples` plain rounds before anything else. A bucket
-    not yet timed borrows the nearest bucket's ratios and its level scaled by batch size.
+    does not (measured on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times
+    `samples` plain rounds before anything else. A bucket not yet timed borrows the nearest bucket's
+    ratios and its level scaled by batch size.
 
     Exploration is bounded by what a length could gain: K = 0 is timed first, and an untimed K is
     tried only if it would beat the current choice even at the cost of the dearest shorter K timed
@@ -233,6 +234,10 @@ class GoodputLength(LengthPolicy):
         self._round = (self.bucket(n), time.perf_counter())
         return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
 
+    def _keep(self, store: dict, key, sample) -> None:
+        """Append `sample` to store[key], keeping the last `samples` of them."""
+        store[key] = (store.get(key, []) + [sample])[-self.samples:]
+
     def plain_time(self, n: int, b: int) -> float | None:
         """A plain round's time at n rows: measured at exactly n rows if that is recent, else the bucket's
         level scaled to n rows (a guess: on memory-bound hardware a round costs about the same at any n)."""
@@ -249,11 +254,13 @@ class GoodputLength(LengthPolicy):
             dt = time.perf_counter() - t0
             now = self.memory["goodput_round"]
             if k == 0:  # the level, as if the bucket were full; and the raw time at exactly n rows
-                self.times[(rn, 0)] = (self.times.get((rn, 0), []) + [dt * rn / n])[-self.samples:]
-                self.plain[n] = (self.plain.get(n, []) + [(now, dt)])[-self.samples:]
-                self.stamp[(rn, 0)] = now
-            elif (plain := self.plain_time(n, rn)) is not None:  # a ratio to a plain round of as many rows
-                self.times[(rn, k)] = (self.times.get((rn, k), []) + [dt / plain])[-self.samples:]
+                self._keep(self.plain, n, (now, dt))
+                sample = dt * rn / n
+            else:  # a ratio to a plain round of as many rows
+                plain = self.plain_time(n, rn)
+                sample = None if plain is None else dt / plain
+            if sample is not None:
+                self._keep(self.times, (rn, k), sample)
                 self.stamp[(rn, k)] = now
         self._round = None
         self.memory["goodput_round"] += 1

@@ -91,15 +91,21 @@ def main():
             return make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
 
         engines = {}
+        startup: dict[str, list[float]] = {}  # start-up profile seconds per engine built (goodput); not in tok/s
         if args.warm:  # other prompts than the timed ones, as a worker's earlier shards would be
             others = chat_ids(pair.tokenizer, (HELD_OUT * 16)[8 : 8 + len(prompts)])
             for name, kw in runs:
                 engines[name] = build(kw)
+                if engines[name].profile_s:
+                    startup.setdefault(name, []).append(engines[name].profile_s)
                 engines[name].generate(others)
 
         def run(name, kw):
+            eng = engines.get(name) or build(kw)
+            if eng.profile_s and name not in engines:
+                startup.setdefault(name, []).append(eng.profile_s)
             t = time.perf_counter()
-            r = timed_generate(engines.get(name) or build(kw), prompts)
+            r = timed_generate(eng, prompts)
             r["at"] = (t + time.perf_counter()) / 2
             if name not in best or r["tok_s"] > best[name]["tok_s"]:
                 best[name] = r
@@ -127,6 +133,9 @@ def main():
             print(f"{name:30s} {bs:5d} {len(prompts):5d} {r['tok_s']:7.1f} {r['tok_s'] / base['tok_s']:6.2f} "
                   f"{statistics.median(rs):6.2f} {min(rs):5.2f}-{max(rs):4.2f} {r['per_call']:8.2f} {acc:>6s} "
                   f"{r['discard']:7.2f} {r['verify']:6.2f} {same:2d}/{len(prompts)}", flush=True)
+        for name, secs in startup.items():
+            print(f"  {name}: start-up profile {statistics.median(secs):.1f} s per engine (once per worker; "
+                  f"outside tok/s)", flush=True)
 
 
 def interpolate(before: dict, after: dict, at: float) -> float:

@@ -111,7 +111,75 @@ class SpecEngine:
         self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
         pad = spec.verify_padding and spec.method != "none"
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
-        make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
+        policy = make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
+        self.profile_s = self.profile() if policy.profiles and spec.method != "none" else 0.0
+
+    @torch.inference_mode()
+    def profile(self, context: int = 64, samples: int = 2) -> float:
+        """Measure what a round of each draft length costs, at every batch-size bucket up to `batch_size`,
+        on synthetic rows, and hand the round times to the length policy (`LengthPolicy.record`): goodput
+        then plans from the first round on instead of exploring on the job's rows.
+
+        A round of K drafts costs the draft's K forwards plus one target forward over K + 1 tokens per row
+        (its verification, at the width verify padding would pick). Both are timed apart through the real
+        code (`proposer.propose`, `_Loop.verify`, which also seeds verify padding's width timings), each
+        length `samples` times and a plain round next to every timing (the minimum counts: noise only
+        adds; the plain round is the level every other length is a ratio to, so it is timed most, and
+        alongside, as the machine's load drifts). Lengths are timed upwards while `policy.worth_timing` says one
+        could still win, given that drafting one more token costs at least one draft forward more. The
+        rows repeat a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does not
+        depend on the tokens) and are cut back to `context` tokens after every round, so every round runs
+        at the same length. Returns the seconds it took: once per engine, which a job's worker pays when
+        it loads its models."""
+        t_start = time.perf_counter()
+        m, cap, dev = self.spec.max_draft_tokens, self.batch_size, self.device
+        g = torch.Generator().manual_seed(0)
+        pattern = torch.randint(0, self.vocab_size, (cap, 16), generator=g)
+        prompts = pattern.repeat(1, context // 16 + 1)[:, :context].tolist()
+        batch = Batch(self, cap, context + m + 2)
+        loop = _Loop(self, batch, prompts, list(range(cap)), [None] * cap)
+        loop.admit(list(range(cap)))
+        policy = batch.policy
+
+        def timed(n: int, k: int) -> tuple[int, float, float]:
+            """One round of k drafts on rows [0, n): (k drafted, seconds drafting, seconds verifying)."""
+            u = loop.uniforms(n)
+            t0 = time.perf_counter()
+            draft = batch.proposer.propose(n, torch.full((n,), k, device=dev)) if k else Draft.empty(n, dev)
+            k = int(draft.lengths.max()) if k else 0  # a host sync: the draft's work is done
+            t1 = time.perf_counter()
+            loop.verify(n, draft, draft.tokens.shape[1] + 1, u)
+            t2 = time.perf_counter()
+            batch.seq_len[:n] = context
+            batch.proposer.rewind(n)
+            return k, t1 - t0, t2 - t1
+
+        for n in sorted({min(1 << i, cap) for i in range(cap.bit_length() + 1)}):
+            plain: list[float] = []  # a plain round before every timing: what all is a ratio to
+            drafting: dict[int, float] = {0: 0.0}
+            verifying: dict[int, float] = {}  # per width
+            rounds: dict[int, float] = {}  # per K: best drafting + verification at the width padding picks
+            for k in range(m + 1):
+                if k and not policy.worth_timing(k, rounds, max(rounds.values()) + drafting.get(1, 0.0)):
+                    break
+                for _ in range(samples):
+                    plain.append(timed(n, 0)[2])
+                    if not k:
+                        continue
+                    kd, d, v = timed(n, k)
+                    if kd == 0:
+                        break  # nothing to draft (prompt lookup found no match)
+                    drafting[kd] = min(d, drafting.get(kd, d))
+                    verifying[kd + 1] = min(v, verifying.get(kd + 1, v))
+                verifying[1] = min(plain)
+                for j in drafting:
+                    w = self.widths.best(n, j + 1) if self.widths else j + 1
+                    rounds[j] = drafting[j] + verifying.get(w, verifying[j + 1])
+            for t in sorted(plain, reverse=True):  # the level first (a policy keeping the last few keeps the least)
+                policy.record(n, 0, t)
+            for j in sorted(rounds)[1:]:
+                policy.record(n, j, rounds[j])
+        return time.perf_counter() - t_start
 
     def _make_proposer(self, batch: Batch) -> Proposer:
         if self.spec.method == "draft_model":
@@ -192,7 +260,7 @@ class _Loop:
         b.n = end
 
     def step(self) -> None:
-        b, e = self.b, self.e
+        b = self.b
         n, dev, m = b.n, b.device, self.m
         rows = b.rows[:n]
         remaining = torch.tensor([self.max_new - r.result.generated_tokens for r in rows], device=dev)
@@ -200,41 +268,7 @@ class _Loop:
             limits = torch.minimum(b.policy.limits(n).clamp(0, m), remaining - 1)
         else:
             limits = torch.zeros(n, dtype=torch.int64, device=dev)
-        if self.random:
-            # a fixed count per row and round: a row's stream does not depend on its batch
-            u = sampling.uniforms([r.generator for r in rows], 2 * m + 1, dev)
-            b.u_draft = u[:, :m]
-        draft: Draft = b.proposer.propose(n, limits) if m else Draft.empty(n, dev)
-        k = draft.tokens.shape[1]
-        width = e.widths.choose(n, k + 1) if e.widths else k + 1  # >= k+1: a cheaper shape, if measured
-        t_verify = time.perf_counter()
-
-        seq_len = b.seq_len[:n].clone()
-        ar = torch.arange(n, device=dev)
-        pending = b.seq[ar, seq_len - 1]
-        tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
-        tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
-        positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
-        hidden = forward_hidden(e.target, b.target_cache, tokens_in, positions, 0, n)
-        logits = e.head(hidden)[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
-        if self.random:
-            p = sampling.probs(logits, e.sampling)
-            verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
-        else:
-            verdict = verify_greedy(logits, draft.tokens, draft.lengths)
-
-        # bookkeeping on the host: one transfer per round
-        accepted = verdict.accepted
-        new = torch.cat([draft.tokens, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
-        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
-        write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
-        b.seq[:n].scatter_(1, write_pos, new)
-        b.seq_len[:n] = seq_len + accepted + 1
-        b.proposer.commit(n, seq_len, accepted)
-
-        acc_l, new_l, len_l = accepted.tolist(), new.tolist(), draft.lengths.tolist()
-        if e.widths:
-            e.widths.observe(n, width, time.perf_counter() - t_verify)
+        draft, accepted, (acc_l, new_l, len_l) = self.round(n, limits)
         b.policy.observe(n, draft.lengths, accepted)  # after the host sync: a GPU's round is complete
         finished = []
         for i, row in enumerate(rows):
@@ -242,7 +276,7 @@ class _Loop:
             emitted = new_l[i][: acc_l[i] + 1]
             cut = len(emitted)
             for j, t in enumerate(emitted):
-                if t in e.stop_ids:
+                if t in self.e.stop_ids:
                     cut = j + 1
                     res.finish_reason = "stop"
                     break
@@ -262,6 +296,59 @@ class _Loop:
                 finished.append(i)
         for i in reversed(finished):  # descending: the last active row is never a finished one
             self.retire(i)
+
+    def round(self, n: int, limits: torch.Tensor):
+        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n)."""
+        u = self.uniforms(n)
+        draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
+        k = draft.tokens.shape[1]
+        width = self.e.widths.choose(n, k + 1) if self.e.widths else k + 1  # >= k+1: a cheaper shape, if measured
+        accepted, host = self.verify(n, draft, width, u)
+        return draft, accepted, host
+
+    def uniforms(self, n: int) -> torch.Tensor | None:
+        """This round's uniforms of rows [0, n) (None when greedy): the draft's first m, the verdict's m + 1.
+        A fixed count per row and round, so a row's stream does not depend on its batch."""
+        if not self.random:
+            return None
+        u = sampling.uniforms([r.generator for r in self.b.rows[:n]], 2 * self.m + 1, self.b.device)
+        self.b.u_draft = u[:, : self.m]
+        return u
+
+    def verify(self, n: int, draft: Draft, width: int, u: torch.Tensor | None):
+        """One target forward over [pending, x_1..x_k] (padded with junk to `width` >= k + 1), the
+        verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's one host
+        transfer; returns accepted [n] and host copies of accepted, of the round's tokens x_1..x_a, y per
+        row (stale past a + 1) and of the draft lengths."""
+        b, e = self.b, self.e
+        dev, m, k = b.device, self.m, draft.tokens.shape[1]
+        t_verify = time.perf_counter()
+        seq_len = b.seq_len[:n].clone()
+        ar = torch.arange(n, device=dev)
+        pending = b.seq[ar, seq_len - 1]
+        tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
+        tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
+        positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
+        hidden = forward_hidden(e.target, b.target_cache, tokens_in, positions, 0, n)
+        logits = e.head(hidden)[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
+        if u is not None:
+            p = sampling.probs(logits, e.sampling)
+            verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
+        else:
+            verdict = verify_greedy(logits, draft.tokens, draft.lengths)
+
+        accepted = verdict.accepted
+        new = torch.cat([draft.tokens, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
+        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
+        write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
+        b.seq[:n].scatter_(1, write_pos, new)
+        b.seq_len[:n] = seq_len + accepted + 1
+        b.proposer.commit(n, seq_len, accepted)
+
+        host = accepted.tolist(), new.tolist(), draft.lengths.tolist()  # the round's one host transfer
+        if e.widths:
+            e.widths.observe(n, width, time.perf_counter() - t_verify)
+        return accepted, host
 
     def retire(self, slot: int) -> None:
         b = self.b

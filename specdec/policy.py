@@ -42,6 +42,7 @@ class Slots:
 class LengthPolicy:
     uses_draft_probs = False  # keep() reads the draft's probability of its token
     keep_after_feed = False  # keep() reads the draft's hidden state after the drafted token was fed
+    profiles = False  # plans from round times: the engine times every length at start-up (record())
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         self.spec = spec
@@ -63,6 +64,14 @@ class LengthPolicy:
 
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         pass
+
+    def record(self, n: int, k: int, seconds: float) -> None:
+        """A round of n rows that drafted at most k tokens took `seconds` (the engine's start-up profile)."""
+
+    def worth_timing(self, k: int, rounds: dict[int, float], floor: float) -> bool:
+        """Start-up profile: should k drafts be timed, given the round times of the lengths timed so far
+        (`rounds`) and that a round of k costs at least `floor` seconds?"""
+        return True
 
 
 class FixedLength(LengthPolicy):
@@ -130,6 +139,14 @@ class GoodputLength(LengthPolicy):
     `samples` plain rounds before anything else. A bucket not yet timed borrows the nearest bucket's
     ratios and its level scaled by batch size.
 
+    The first times come from the engine's start-up profile (`SpecEngine.profile`: the draft's forwards
+    and the target's verification timed apart on synthetic rows at every bucket, composed into round
+    times and handed over through `record`), so the first live round already runs the length they
+    favour: no exploration rounds on the job's rows, which cost time where speculation loses and put
+    rows out of step (a lockstep batch is admitted and prefilled together; one out of step, a row or
+    two at a time). The profile times lengths upwards while `worth_timing` says one could still win at
+    an optimistic acceptance; live rounds then refine every estimate as below.
+
     Exploration is bounded by what a length could gain: K = 0 is timed first, and an untimed K is
     tried only if it would beat the current choice even at the cost of the dearest shorter K timed
     (a round never gets cheaper by drafting more). Where speculation loses (a compute-bound target,
@@ -139,7 +156,11 @@ class GoodputLength(LengthPolicy):
     as it was doubles that wait (a steady batch stops paying for probes), a change resets it.
     """
 
-    prior_weight = 4.0
+    profiles = True
+    optimism = 1.0  # standard deviations of the expected tokens added before choosing (see the docstring)
+    optimistic = 0.8  # per-token acceptance the start-up profile allows a pair it has not seen yet
+    prior_weight = 4.0  # a row's own rate starts as the pair's, worth this many tested tokens
+    prior_tokens = 16  # the pair's rate starts at 0.5, worth this many tested tokens
     samples = 3
     refresh = 24
     max_wait = 1 << 12
@@ -148,33 +169,38 @@ class GoodputLength(LengthPolicy):
         super().__init__(spec, slots, memory)
         self.tested = slots.add("goodput_tested", dtype=torch.float64)
         self.accepted = slots.add("goodput_accepted", dtype=torch.float64)
-        self.total = self.memory.setdefault("goodput_total", [1.0, 2.0])  # accepted, tested (weak 0.5 start)
+        # accepted, tested over every row so far, from a prior of `prior_tokens` tested tokens at 0.5
+        self.total = self.memory.setdefault("goodput_total", [0.5 * self.prior_tokens, float(self.prior_tokens)])
         self.times: dict[tuple[int, int], list[float]] = self.memory.setdefault("goodput_times", {})
         self.stamp: dict[tuple[int, int], int] = self.memory.setdefault("goodput_stamp", {})
         self.best: dict[int, int] = self.memory.setdefault("goodput_best", {})  # per bucket
         self.wait: dict[int, int] = self.memory.setdefault("goodput_wait", {})  # re-timing interval per bucket
         self.plain: dict[int, list[tuple[int, float]]] = self.memory.setdefault("goodput_plain", {})  # per row count
         self.memory.setdefault("goodput_round", 0)
-        self._round: tuple[int, float] | None = None
+        self._round: float | None = None  # when the round being run started
         self._probe: tuple[int, int] | None = None  # (bucket, choice before) while re-timing a neighbour
-        self._expected: tuple[int, list[float]] | None = None  # (n, tokens) until a row or a rate changes
+        self._expected: tuple[int, list[float], list[float]] | None = None  # (n, mean, sd) until a rate changes
 
     def admit(self, start: int, end: int) -> None:
         self.tested[start:end] = 0
         self.accepted[start:end] = 0
         self._expected = None
 
-    def expected_tokens(self, n: int, top: int) -> list[float]:
-        """Expected emitted tokens of the batch's first n rows for K = 0..top (one host transfer)."""
-        if self._expected is not None and self._expected[0] == n:
-            return self._expected[1]  # plain rounds test nothing: the rates stand
-        rate = self.total[0] / self.total[1]
-        w = self.prior_weight
-        a = ((self.accepted[:n] + w * rate) / (self.tested[:n] + w)).clamp(0.0, 0.999)[:, None]
-        k = torch.arange(top + 1, device=a.device, dtype=a.dtype)[None, :]
-        tokens = ((1 - a ** (k + 1)) / (1 - a)).sum(0).tolist()
-        self._expected = (n, tokens)
-        return tokens
+    def expected_tokens(self, n: int, top: int, optimism: float = 0.0) -> list[float]:
+        """Expected emitted tokens of the batch's first n rows for K = 0..top, plus `optimism` standard
+        deviations of that expectation (each row's acceptance estimate is uncertain; rows independent)."""
+        if self._expected is None or self._expected[0] != n or len(self._expected[1]) != top + 1:
+            rate = self.total[0] / self.total[1]
+            w = self.prior_weight
+            seen = self.tested[:n] + w
+            a = ((self.accepted[:n] + w * rate) / seen).clamp(0.0, 0.999)[:, None]  # [n, 1]
+            k = torch.arange(top + 1, device=a.device, dtype=a.dtype)[None, :]
+            mean = (1 - a ** (k + 1)) / (1 - a)  # [n, top+1]
+            slope = torch.cumsum(k * a ** (k - 1).clamp_min(0), dim=1)  # d mean / d a = sum_j<=K j a^(j-1)
+            sd = slope * (a * (1 - a) / (seen[:, None] + 1)).sqrt()  # of the Beta posterior of a, carried
+            self._expected = (n, mean.sum(0).tolist(), sd.pow(2).sum(0).sqrt().tolist())
+        _, mean, sd = self._expected
+        return [m + optimism * s for m, s in zip(mean, sd)]
 
     bucket = staticmethod(VerifyWidths.bucket)  # batch sizes timed per power of two
 
@@ -205,7 +231,7 @@ class GoodputLength(LengthPolicy):
         if self._kept(b, 0) is None or (own is not None and len(own) < self.samples):
             return 0  # the baseline first: every other length is measured against it
         cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
-        tokens = self.expected_tokens(n, top)
+        tokens = self.expected_tokens(n, top, self.optimism)
         best = max(cost, key=lambda k: tokens[k] / cost[k])
         goal = tokens[best] / cost[best]
         if self._probe is not None and self._probe[0] == b:  # a re-timing just ran: did it change anything?
@@ -213,11 +239,14 @@ class GoodputLength(LengthPolicy):
             self.wait[b] = min(2 * wait, self.max_wait) if best == self._probe[1] else self.refresh
         self._probe = None
         self.best[b] = best
-        floor = 0.0
-        for k in range(top + 1):  # the shortest untimed length that could still win
-            if k in cost:
-                floor = max(floor, cost[k])
-            elif tokens[k] / floor > goal:
+        timed = sorted(cost)
+        for k in range(1, top + 1):  # the shortest untimed length that could still win
+            below = [j for j in timed if j < k]
+            if k in cost or not below:
+                continue
+            j = below[-1]  # drafting more never makes a round cheaper, and costs at least the last step did
+            step = max(0.0, (cost[j] - cost[below[-2]]) / (j - below[-2])) if len(below) > 1 else 0.0
+            if tokens[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
                 return k
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
         for k in (best - 1, best + 1, 0):
@@ -227,11 +256,14 @@ class GoodputLength(LengthPolicy):
         return best
 
     def drafts_soon(self, n: int) -> bool:
-        return self.best.get(self.bucket(n)) != 0  # speculation is off at this size: rows join unprefilled
+        b = self.bucket(n)
+        if b not in self.best and self._kept(b, 0) is not None:
+            self.choose(n)  # timed (by the start-up profile) but not run yet: what would it pick?
+        return self.best.get(b) != 0  # speculation is off at this size: rows join unprefilled
 
     def limits(self, n: int) -> torch.Tensor:
         k = self.choose(n)
-        self._round = (self.bucket(n), time.perf_counter())
+        self._round = time.perf_counter()
         return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
 
     def _keep(self, store: dict, key, sample) -> None:
@@ -247,21 +279,32 @@ class GoodputLength(LengthPolicy):
         level = self.estimate(b, 0)
         return None if level is None else level * n / b
 
+    def record(self, n: int, k: int, seconds: float) -> None:
+        """File a round's time: a plain round's as the bucket's level (as if full) and as the time at
+        exactly n rows; a speculative round's as its ratio to a plain round of as many rows."""
+        b, now = self.bucket(n), self.memory["goodput_round"]
+        if k == 0:
+            self._keep(self.plain, n, (now, seconds))
+            sample = seconds * b / n
+        else:
+            plain = self.plain_time(n, b)
+            sample = None if plain is None else seconds / plain
+        if sample is not None:
+            self._keep(self.times, (b, k), sample)
+            self.stamp[(b, k)] = now
+
+    def worth_timing(self, k: int, rounds: dict[int, float], floor: float) -> bool:
+        """Only a length that could win if the draft accepted `optimistic` of its tokens and its round
+        cost no more than `floor` is timed (the same bound as exploration's, before any acceptance is
+        known); a pair that does better gets its longer lengths timed live, by exploration."""
+        a = self.optimistic
+        tokens = [(1 - a ** (j + 1)) / (1 - a) for j in range(k + 1)]
+        return tokens[k] / floor > max(tokens[j] / t for j, t in rounds.items())
+
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         k = int(drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
         if self._round is not None and n:
-            rn, t0 = self._round
-            dt = time.perf_counter() - t0
-            now = self.memory["goodput_round"]
-            if k == 0:  # the level, as if the bucket were full; and the raw time at exactly n rows
-                self._keep(self.plain, n, (now, dt))
-                sample = dt * rn / n
-            else:  # a ratio to a plain round of as many rows
-                plain = self.plain_time(n, rn)
-                sample = None if plain is None else dt / plain
-            if sample is not None:
-                self._keep(self.times, (rn, k), sample)
-                self.stamp[(rn, k)] = now
+            self.record(n, k, time.perf_counter() - self._round)
         self._round = None
         self.memory["goodput_round"] += 1
         if k == 0:

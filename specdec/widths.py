@@ -35,12 +35,21 @@ class VerifyWidths:
         top = min(self.max_width, w0 + self.max_pad)
         if w0 == 1 or w0 >= top:
             return w0
-        n = self.bucket(n)
+        b = self.bucket(n)
         for w in range(w0, top + 1):  # explore: every reachable width gets `samples` timings
-            if len(self.times.get((n, w), ())) < self.samples:
+            if len(self.times.get((b, w), ())) < self.samples:
                 return w
-        best = min(range(w0, top + 1), key=lambda w: min(self.times[(n, w)]))
-        return best if min(self.times[(n, best)]) < self.margin * min(self.times[(n, w0)]) else w0
+        return self.best(n, w0)
+
+    def best(self, n: int, w0: int) -> int:
+        """The width a round needing w0 runs at, among the widths timed `samples` times (no exploration)."""
+        b = self.bucket(n)
+        timed = [w for w in range(w0, min(self.max_width, w0 + self.max_pad) + 1)
+                 if len(self.times.get((b, w), ())) >= self.samples]
+        if w0 == 1 or w0 not in timed:
+            return w0
+        best = min(timed, key=lambda w: min(self.times[(b, w)]))
+        return best if min(self.times[(b, best)]) < self.margin * min(self.times[(b, w0)]) else w0
 
     def observe(self, n: int, w: int, seconds: float) -> None:
         b = self.bucket(n)

@@ -182,16 +182,20 @@ def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
 
 def drive_goodput(pol, n, cost, rate, rounds, gen):
     """Run `rounds` rounds of a goodput policy against a simulated batch: round time cost[K] (seconds,
-    slept) and per-token acceptance `rate`; returns the K of every round."""
-    import time
+    on the policy's clock) and per-token acceptance `rate`; returns the K of every round."""
+    from unittest import mock
+
+    import specdec.policy as policy_mod
+    clock = [0.0]
     chosen = []
-    for _ in range(rounds):
-        k = int(pol.limits(n)[0])
-        time.sleep(cost[k])
-        passes = torch.rand((n, max(k, 1)), generator=gen) < rate
-        accepted = torch.cumprod(passes.long(), dim=1)[:, :k].sum(1)
-        pol.observe(n, torch.full((n,), k), accepted)
-        chosen.append(k)
+    with mock.patch.object(policy_mod.time, "perf_counter", lambda: clock[0]):
+        for _ in range(rounds):
+            k = int(pol.limits(n)[0])
+            clock[0] += cost[k]
+            passes = torch.rand((n, max(k, 1)), generator=gen) < rate
+            accepted = torch.cumprod(passes.long(), dim=1)[:, :k].sum(1)
+            pol.observe(n, torch.full((n,), k), accepted)
+            chosen.append(k)
     return chosen
 
 
@@ -214,6 +218,60 @@ def test_goodput_explores_only_lengths_that_could_win():
     assert chosen[:7] == [0, 0, 0, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
 
 
+@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
+def test_startup_profile_times_every_bucket_and_leaves_no_trace(target, drafts, prompts, reference, method):
+    """A goodput engine times rounds at start-up on synthetic rows: every batch-size bucket up to
+    batch_size gets its plain-round level (3 samples) and K=1 as a ratio to it, verify padding gets
+    widths to choose from; the synthetic rows leave nothing behind (output equals plain greedy)."""
+    eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(method=method, draft_length="goodput", max_draft_tokens=4), batch_size=3)
+    times = eng.policy_memory["goodput_times"]
+    assert eng.profile_s > 0
+    for b in (1, 2, 4):  # n = 1, 2 and 3 rows
+        assert len(times[(b, 0)]) == 3 and (b, 1) in times
+        assert {w for (bb, w) in eng.widths.times if bb == b} >= {1, 2}
+    results = eng.generate(prompts)
+    assert [r.token_ids for r in results] == reference
+    for r in results:
+        check_stats(r)
+    fixed = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                       SpecConfig(method=method), batch_size=3)
+    assert fixed.profile_s == 0 and not fixed.policy_memory  # only policies that plan from times profile
+
+
+def test_profile_times_only_lengths_that_could_win():
+    """The start-up profile times a longer length only if it could win at an optimistic acceptance
+    (0.8 per token) and at the cost of the dearest length timed plus one more draft forward."""
+    from specdec.policy import GoodputLength, Slots
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=8), Slots(1, "cpu"), {})
+    # tokens per round at 0.8: K=1 1.8, K=2 2.44. Compute-bound: K=1 costs 2.5 plain rounds
+    assert not pol.worth_timing(2, {0: 1.0, 1: 2.5}, 2.6)  # 2.44 / 2.6 < 1 token per plain round
+    assert pol.worth_timing(2, {0: 1.0, 1: 1.05}, 1.1)  # memory-bound: 2.44 / 1.1 > 1.8 / 1.05
+
+
+def test_profiled_goodput_starts_at_its_choice():
+    """Given the profile's round times, the first live rounds run the length they favour: no plain
+    rounds first and no walk through the lengths (compare test_goodput_explores_only_lengths_that_could_win)."""
+    from specdec.policy import GoodputLength, Slots
+    gen = torch.Generator().manual_seed(0)
+
+    def profiled(cost):
+        pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
+        for k, seconds in cost.items():
+            for _ in range(3 if k == 0 else 1):  # as SpecEngine.profile hands them over
+                pol.record(8, k, seconds)
+        pol.admit(0, 8)
+        return pol
+
+    compute_bound = {0: 0.004, 1: 0.012}  # K=1: 1.5 tokens for 3x the time; longer K never timed
+    chosen = drive_goodput(profiled(compute_bound), 8, {**compute_bound, 2: 0.016, 3: 0.02, 4: 0.024}, 0.5, 30, gen)
+    assert chosen[: GoodputLength.refresh] == [0] * GoodputLength.refresh  # no exploration round at all
+    cheap = {k: 0.004 + 0.0004 * k for k in range(5)}  # memory-bound, and a good draft
+    chosen = drive_goodput(profiled(cheap), 8, cheap, 0.9, 30, gen)
+    first = chosen[: GoodputLength.refresh]  # before the first re-timing of a neighbour
+    assert 0 not in first and chosen[0] >= 2 and first[-10:] == [4] * 10
+
+
 @pytest.mark.parametrize("kind", ["same", "noisy"])
 def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind,
                                                                   monkeypatch):
@@ -225,6 +283,7 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
     b = GoodputLength.bucket(bs)
     eng = SpecEngine(pair(target, drafts[kind]), SamplingParams(max_new_tokens=MAX_NEW),
                      SpecConfig(method="draft_model", draft_length="goodput", max_draft_tokens=4), batch_size=bs)
+    eng.policy_memory.clear()  # what the start-up profile measured: this test sets the policy's state itself
     eng.policy_memory.update({"goodput_best": {b: 0},  # off when the first rows join ...
                               "goodput_total": [99.0, 100.0],  # ... but drafting pays from the first round
                               "goodput_times": {(b, 0): [1.0] * 3, **{(b, k): [1.0 + 0.01 * k] for k in range(1, 5)}}})
@@ -324,7 +383,7 @@ def test_goodput_ratio_against_a_plain_round_of_as_many_rows(monkeypatch):
     pol.admit(0, 8)
 
     def round_of(n, seconds, k):
-        pol._round = (pol.bucket(n), clock[0])  # what limits() records
+        pol._round = clock[0]  # what limits() records
         clock[0] += seconds
         pol.observe(n, torch.full((n,), k), torch.zeros(n, dtype=torch.int64))
 

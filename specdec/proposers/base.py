@@ -37,5 +37,8 @@ class Proposer:
     def commit(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor) -> None:
         """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`."""
 
+    def rewind(self, n: int) -> None:
+        """Rows [0, n) were cut back to `batch.seq_len`: forget what lies past it (start-up profile)."""
+
     def move_row(self, src: int, dst: int) -> None:
         """Row src now lives at dst (swap-remove of a finished row)."""

@@ -102,5 +102,8 @@ class DraftModelProposer(Proposer):
         # the draft cache is right up to the last accepted draft token it was fed
         self.d_len[:n] = torch.minimum(self.fed_len[:n], old_len + accepted)
 
+    def rewind(self, n: int) -> None:
+        self.d_len[:n] = torch.minimum(self.d_len[:n], self.batch.seq_len[:n] - 1)  # the pending token is never in it
+
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst, int(self.d_len[src]))

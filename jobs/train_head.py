@@ -85,6 +85,8 @@ def format_report(report: dict) -> str:
     lines = [f"examples: {report['train_examples']} train, {report['heldout_examples']} held out "
              f"(from {report['prompts']} prompts); held-out loss {report['heldout_loss']:.4f}; "
              f"mean label {report['heldout_mean_label']:.3f}, mean predicted {report['heldout_mean_predicted']:.3f}",
+             f"ranking (held out): AUC {report['heldout_auc']:.3f}"
+             + (f" (the draft's q(token) alone: {report['heldout_auc_q']:.3f})" if "heldout_auc_q" in report else ""),
              "calibration (held out):  bin       n   predicted  observed"]
     for c in report["calibration"]:
         lines.append(f"                         {c['bin']}  {c['n']:5d}   {c['predicted']:.3f}      {c['observed']:.3f}")

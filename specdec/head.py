@@ -165,6 +165,19 @@ def calibration(p_pred: torch.Tensor, y: torch.Tensor, bins: int = 5) -> list[di
     return out
 
 
+def auc(score: torch.Tensor, y: torch.Tensor) -> float:
+    """How well `score` ranks accepted above rejected tokens: the probability that an accepted token
+    scores higher than a rejected one (ties count half). A soft label y counts as y of an accepted
+    token and 1 - y of a rejected one. 0.5 is chance; a stop rule can only be as good as its ranking."""
+    s, order = torch.sort(score.double())
+    pos, neg = y.double()[order], 1 - y.double()[order]
+    _, group = torch.unique_consecutive(s, return_inverse=True)
+    pos_g = torch.zeros(int(group.max()) + 1, dtype=torch.float64).index_add_(0, group, pos)
+    neg_g = torch.zeros_like(pos_g).index_add_(0, group, neg)
+    below = torch.cumsum(neg_g, 0) - neg_g  # rejected weight scoring strictly lower
+    return float((pos_g * (below + 0.5 * neg_g)).sum() / (pos.sum() * neg.sum()).clamp_min(1e-12))
+
+
 def train_head(h: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, epochs: int = 3, lr: float | None = None,
                batch: int = 256, seed: int = 0, holdout: float = 0.1, progress=None) -> tuple[AcceptanceHead, dict]:
     """Train on (hidden, label) pairs; returns the head and a report with held-out loss and calibration.
@@ -202,5 +215,8 @@ def train_head(h: torch.Tensor, y: torch.Tensor, cfg: HeadConfig, epochs: int = 
             "heldout_loss": float(weighted_bce(logits, y[val], cfg.w_rej)),
             "heldout_mean_label": float(y[val].mean()), "heldout_mean_predicted": float(pred.mean()),
             "calibration": calibration(pred, y[val]),
+            "heldout_auc": auc(pred, y[val]),
         }
+        if cfg.reads == "proposing":  # what the draft's own confidence ranks alone (its last feature: log q)
+            report["heldout_auc_q"] = auc(h[val][:, -1], y[val])
     return head, report

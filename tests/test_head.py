@@ -13,7 +13,7 @@ import yaml
 from engine_models import pair as make_pair, noisy_copy, tiny_llama
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.head import AcceptanceHead, HeadConfig, train_head, weighted_bce
+from specdec.head import AcceptanceHead, HeadConfig, auc, train_head, weighted_bce
 
 
 def test_weighted_bce_matches_formula():
@@ -24,6 +24,22 @@ def test_weighted_bce_matches_formula():
     num = sum(w * (1 - y[i]) * -logp[i, 0] + y[i] * -logp[i, 1] for i in range(3))
     den = sum(w * (1 - y[i]) + y[i] for i in range(3))
     assert weighted_bce(logits, y, w).item() == pytest.approx((num / den).item(), rel=1e-6)
+
+
+def test_auc_matches_pairwise_count():
+    """AUC = P(an accepted token scores above a rejected one), ties half; soft labels weigh both ways."""
+    g = torch.Generator().manual_seed(1)
+    score = torch.randint(0, 6, (40,), generator=g).float()  # many ties
+    y = torch.rand(40, generator=g).round()
+    y[:5] = torch.rand(5, generator=g)  # a few soft labels
+    num = den = 0.0
+    for i in range(40):
+        for j in range(40):
+            w = float(y[i] * (1 - y[j]))
+            num += w * (1.0 if score[i] > score[j] else 0.5 if score[i] == score[j] else 0.0)
+            den += w
+    assert auc(score, y) == pytest.approx(num / den, rel=1e-9)
+    assert auc(y, y.round()) > auc(-y, y.round())  # a score that follows the labels ranks better
 
 
 def test_head_learns_acceptance_from_hidden_state():
@@ -38,6 +54,8 @@ def test_head_learns_acceptance_from_hidden_state():
     assert report["heldout_loss"] < weighted_bce(torch.zeros(600, 2), y[:600], 6.0).item()  # beats a constant
     observed = [c["observed"] for c in report["calibration"]]
     assert observed == sorted(observed)  # higher predicted bins really are accepted more
+    best = auc(y, y)  # soft labels: the best any score can rank them (the labels themselves)
+    assert auc(head.p_accept(h), y) > 0.97 * best and report["heldout_auc"] > 0.9 * best
 
 
 def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):

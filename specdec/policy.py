@@ -9,6 +9,7 @@ Per-row state lives in `Slots` tensors, which follow rows when finished rows are
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -128,9 +129,12 @@ class GoodputLength(LengthPolicy):
 
     Round times are measured, not assumed, per (batch-size bucket, K actually drafted), from the
     round's start to its first host sync (so a GPU's queued work is counted). A plain round's time is
-    the bucket's level (the minimum of its last `samples` plain rounds, since timing noise only ever
-    adds); a speculative round is kept as its ratio to the level of its time, and its estimate is
-    that ratio (the minimum kept) times the current level. Rounds get slower as rows grow longer and
+    the bucket's level (the median of its last `samples` plain rounds); a speculative round is kept
+    as its ratio to the level of its time, and its estimate is that ratio (the median kept) times the
+    current level. Medians, not minima: throughput follows what rounds cost on average, and on a
+    shared 2-core VM speculative rounds varied far more than plain ones (K=2 110-155 ms against
+    64-70 ms), so minima made speculation look about 15% cheaper than it was and kept it on where
+    every fixed length lost. Rounds get slower as rows grow longer and
     a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
     drifts with the level. The ratio is taken against a recent plain round of exactly as many rows
     where there is one: a batch draining at the end of a run (8 rows, then 7, then 5) would otherwise
@@ -219,11 +223,11 @@ class GoodputLength(LengthPolicy):
         level = self._kept(b, 0)
         if level is None:
             return None
-        t = min(level[1]) * b / level[0]
+        t = statistics.median(level[1]) * b / level[0]
         if k == 0:
             return t
         ratio = self._kept(b, k)
-        return None if ratio is None else t * min(ratio[1])
+        return None if ratio is None else t * statistics.median(ratio[1])
 
     def choose(self, n: int) -> int:
         top, b = self.spec.max_draft_tokens, self.bucket(n)
@@ -233,20 +237,23 @@ class GoodputLength(LengthPolicy):
         cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
         tokens = self.expected_tokens(n, top, self.optimism)
         best = max(cost, key=lambda k: tokens[k] / cost[k])
-        goal = tokens[best] / cost[best]
         if self._probe is not None and self._probe[0] == b:  # a re-timing just ran: did it change anything?
             wait = self.wait.get(b, self.refresh)
             self.wait[b] = min(2 * wait, self.max_wait) if best == self._probe[1] else self.refresh
         self._probe = None
         self.best[b] = best
+        # the shortest untimed length that could still win, on the estimates as they are (the optimism
+        # above keeps a timed length in play; it is no reason to pay for rounds of a new one)
+        mean = self.expected_tokens(n, top)
         timed = sorted(cost)
-        for k in range(1, top + 1):  # the shortest untimed length that could still win
+        goal = max(mean[k] / cost[k] for k in timed)
+        for k in range(1, top + 1):
             below = [j for j in timed if j < k]
             if k in cost or not below:
                 continue
             j = below[-1]  # drafting more never makes a round cheaper, and costs at least the last step did
             step = max(0.0, (cost[j] - cost[below[-2]]) / (j - below[-2])) if len(below) > 1 else 0.0
-            if tokens[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
+            if mean[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
                 return k
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
         for k in (best - 1, best + 1, 0):
@@ -275,7 +282,7 @@ class GoodputLength(LengthPolicy):
         level scaled to n rows (a guess: on memory-bound hardware a round costs about the same at any n)."""
         kept = self.plain.get(n)
         if kept and self.memory["goodput_round"] - kept[-1][0] <= self.refresh:
-            return min(t for _, t in kept)
+            return statistics.median(t for _, t in kept)
         level = self.estimate(b, 0)
         return None if level is None else level * n / b
 

@@ -339,9 +339,9 @@ def test_goodput_retimes_a_stale_neighbour():
     memory["goodput_round"] = now = refresh + 1
     memory["goodput_stamp"].update({(8, 0): now, (8, 2): now})  # K=0 ran all along; K=2 was re-timed
     assert pol.choose(8) == 1  # stale: timed again
-    memory["goodput_times"][(8, 1)].append(1.2)
+    memory["goodput_times"][(8, 1)] += [1.2, 1.2]  # the re-timing and the round after it
     memory["goodput_stamp"][(8, 1)] = now
-    assert pol.choose(8) == 1  # 1.4 tokens per 1.2 s now beats 1 per 1.0 s
+    assert pol.choose(8) == 1  # 1.4 tokens per 1.2 s (the median kept) now beats 1 per 1.0 s
     assert memory["goodput_wait"][8] == refresh  # the choice changed: the wait starts over
     memory["goodput_round"] = now = now + refresh + 1
     memory["goodput_stamp"].update({(8, 1): now, (8, 2): now})  # K=1 ran all along; K=2 was re-timed

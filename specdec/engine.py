@@ -123,9 +123,10 @@ class SpecEngine:
         A round of K drafts costs the draft's K forwards plus one target forward over K + 1 tokens per row
         (its verification, at the width verify padding would pick). Both are timed apart through the real
         code (`proposer.propose`, `_Loop.verify`, which also seeds verify padding's width timings), each
-        length `samples` times and a plain round next to every timing (the minimum counts: noise only
-        adds; the plain round is the level every other length is a ratio to, so it is timed most, and
-        alongside, as the machine's load drifts). Lengths are timed upwards while `policy.worth_timing` says one
+        length `samples` times and a plain round next to every timing (the plain round is the level
+        every other length is a ratio to, so it is timed most, and alongside, as the machine's load
+        drifts). The minimum of each counts here, where samples are taken back to back on idle rows;
+        the policy keeps live rounds' medians, and those replace these as the job runs. Lengths are timed upwards while `policy.worth_timing` says one
         could still win, given that drafting one more token costs at least one draft forward more. The
         rows repeat a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does not
         depend on the tokens) and are cut back to `context` tokens after every round, so every round runs

@@ -134,8 +134,7 @@ class GoodputLength(LengthPolicy):
     current level. Medians, not minima: throughput follows what rounds cost on average, and on a
     shared 2-core VM speculative rounds varied far more than plain ones (K=2 110-155 ms against
     64-70 ms), so minima made speculation look about 15% cheaper than it was and kept it on where
-    every fixed length lost. Rounds get slower as rows grow longer and
-    a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
+    every fixed length lost. Rounds get slower as rows grow longer and a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
     drifts with the level. The ratio is taken against a recent plain round of exactly as many rows
     where there is one: a batch draining at the end of a run (8 rows, then 7, then 5) would otherwise
     be scaled to the full bucket as if a round's cost grew with its rows, which a memory-bound step's
@@ -152,9 +151,10 @@ class GoodputLength(LengthPolicy):
     an optimistic acceptance; live rounds then refine every estimate as below.
 
     Exploration is bounded by what a length could gain: K = 0 is timed first, and an untimed K is
-    tried only if it would beat the current choice even at the cost of the dearest shorter K timed
-    (a round never gets cheaper by drafting more). Where speculation loses (a compute-bound target,
-    a large batch) that stops after one round of K = 1; where it wins, the search walks up as far as
+    tried only if, on the plain estimate of its tokens (no optimism), it would beat every timed length
+    even at the cost of the dearest shorter K timed plus the last measured step per token for each
+    token beyond the longest one (a round never gets cheaper by drafting more). Where speculation
+    loses (a compute-bound target, a large batch) that stops after one round of K = 1; where it wins, the search walks up as far as
     it pays. A neighbour of the choice (K - 1, K + 1, and 0) is timed again once it is `refresh`
     rounds stale, so one slow sample cannot lock a choice in; each re-timing that leaves the choice
     as it was doubles that wait (a steady batch stops paying for probes), a change resets it.

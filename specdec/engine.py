@@ -269,7 +269,9 @@ class _Loop:
             limits = torch.minimum(b.policy.limits(n).clamp(0, m), remaining - 1)
         else:
             limits = torch.zeros(n, dtype=torch.int64, device=dev)
-        draft, accepted, (acc_l, new_l, len_l) = self.round(n, limits)
+        draft, accepted, (acc_l, new_l, len_l), trial = self.round(n, limits)
+        if trial:
+            b.policy.untimed()  # a trial of a verify width: no sample of what its length costs
         b.policy.observe(n, draft.lengths, accepted)  # after the host sync: a GPU's round is complete
         finished = []
         for i, row in enumerate(rows):
@@ -299,13 +301,16 @@ class _Loop:
             self.retire(i)
 
     def round(self, n: int, limits: torch.Tensor):
-        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n)."""
+        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n); the
+        last of what it returns says whether verification ran at a width only to time it."""
         u = self.uniforms(n)
         draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
         k = draft.tokens.shape[1]
-        width = self.e.widths.choose(n, k + 1) if self.e.widths else k + 1  # >= k+1: a cheaper shape, if measured
+        widths = self.e.widths
+        trial = widths is not None and widths.untimed(n, k + 1) is not None  # choose() explores it
+        width = widths.choose(n, k + 1) if widths else k + 1  # >= k+1: a cheaper shape, if measured
         accepted, host = self.verify(n, draft, width, u)
-        return draft, accepted, host
+        return draft, accepted, host, trial
 
     def uniforms(self, n: int) -> torch.Tensor | None:
         """This round's uniforms of rows [0, n) (None when greedy): the draft's first m, the verdict's m + 1.
@@ -358,6 +363,7 @@ class _Loop:
         if row.result.finish_reason not in ("stop", "length"):
             row.result.finish_reason = "length"
         self.results[row.index] = row.result
+        b.policy.retire(slot)
         last = b.n - 1
         b.move_row(last, slot)
         b.rows[last] = None

@@ -3,12 +3,14 @@
 A policy is asked three things by the engine, all per row and as tensors:
 - `limits(n)`: the most tokens each active row may draft this round (0 = no speculation for it);
 - `keep(step, token_prob, hidden)`: after draft step `step`, which rows go on drafting (None = all);
-- `observe(drafted, accepted)`: what happened, to adapt.
+- `observe(drafted, accepted)`: what happened, to adapt;
+- `retire(slot)`: a row finished.
 Per-row state lives in `Slots` tensors, which follow rows when finished rows are compacted away.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -65,6 +67,12 @@ class LengthPolicy:
 
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         pass
+
+    def untimed(self) -> None:
+        """This round's time says nothing of its draft length's cost (the next `observe` is its)."""
+
+    def retire(self, slot: int) -> None:
+        """The row in `slot` finished (called before another row is moved into its slot)."""
 
     def record(self, n: int, k: int, seconds: float) -> None:
         """A round of n rows that drafted at most k tokens took `seconds` (the engine's start-up profile)."""
@@ -125,7 +133,14 @@ class GoodputLength(LengthPolicy):
     Expected tokens of a row with per-token acceptance a and K drafts: (1 - a^(K+1)) / (1 - a).
     a is accepted / tested tokens, where a round tests its accepted tokens plus the first rejected
     one (tokens after a rejection are never tested; accepted / drafted would bias a low for long
-    drafts), shrunk towards the batch-wide rate (a Beta prior worth `prior_weight` tokens).
+    drafts), shrunk towards the pair's rate over every row (a Beta prior worth `weight()` tested
+    tokens). That weight is estimated from the rows themselves (`weight`: how far their rates spread
+    beyond what their counts' sampling noise explains), because it decides whether adapting to a row
+    is tracking the row or chasing its noise: with the bench pair on held-out chat prompts the rows'
+    rates hardly differ (a weight of ~160 tokens), and at the fixed 4 tokens it had before, a row
+    that accepted a few drafts in a row looked like a 0.6 row, so long drafts were chosen exactly
+    when they were overrated (K=4 rounds emitted 1.75 tokens where 2.21 were expected). Rows that
+    really differ (a mix of code and chat, say) give a small weight, and each follows its own rate.
 
     Round times are measured, not assumed, per (batch-size bucket, K actually drafted), from the
     round's start to its first host sync (so a GPU's queued work is counted). A plain round's time is
@@ -155,15 +170,20 @@ class GoodputLength(LengthPolicy):
     even at the cost of the dearest shorter K timed plus the last measured step per token for each
     token beyond the longest one (a round never gets cheaper by drafting more). Where speculation
     loses (a compute-bound target, a large batch) that stops after one round of K = 1; where it wins, the search walks up as far as
-    it pays. A neighbour of the choice (K - 1, K + 1, and 0) is timed again once it is `refresh`
-    rounds stale, so one slow sample cannot lock a choice in; each re-timing that leaves the choice
+    it pays. A neighbour of the choice (K - 1, K + 1, and 0) or the runner-up (the length second by
+    its estimate) is timed again once it is `refresh` rounds stale (the runner-up because after K = 0
+    wins, K = 1 is often the worst of the drafting lengths, one draft forward for at most one token,
+    and re-timing only it left a batch of one at K = 0 for good while K = 2 would have won), so one slow sample cannot lock a choice in; each re-timing that leaves the choice
     as it was doubles that wait (a steady batch stops paying for probes), a change resets it.
     """
 
     profiles = True
     optimism = 1.0  # standard deviations of the expected tokens added before choosing (see the docstring)
     optimistic = 0.8  # per-token acceptance the start-up profile allows a pair it has not seen yet
-    prior_weight = 4.0  # a row's own rate starts as the pair's, worth this many tested tokens
+    prior_weight = 64.0  # a row's own rate starts as the pair's, worth this many tested tokens, until
+    # `weight` has rows enough to estimate it; estimates are kept within [min_weight, max_weight]
+    min_weight, max_weight = 4.0, 1024.0
+    rows_kept = 64  # finished rows whose (accepted, tested) counts `weight` reads, besides the active ones
     prior_tokens = 16  # the pair's rate starts at 0.5, worth this many tested tokens
     samples = 3
     refresh = 24
@@ -180,9 +200,12 @@ class GoodputLength(LengthPolicy):
         self.best: dict[int, int] = self.memory.setdefault("goodput_best", {})  # per bucket
         self.wait: dict[int, int] = self.memory.setdefault("goodput_wait", {})  # re-timing interval per bucket
         self.plain: dict[int, list[tuple[int, float]]] = self.memory.setdefault("goodput_plain", {})  # per row count
+        self.rows: list[tuple[float, float]] = self.memory.setdefault("goodput_rows", [])  # finished rows' counts
         self.memory.setdefault("goodput_round", 0)
         self._round: float | None = None  # when the round being run started
-        self._probe: tuple[int, int] | None = None  # (bucket, choice before) while re-timing a neighbour
+        # while re-timing: [bucket, choice before, K, samples still wanted, rounds left to get them]
+        self._probe: list[int] | None = None
+        self._last: int | None = None  # the length the last round ran
         self._expected: tuple[int, list[float], list[float]] | None = None  # (n, mean, sd) until a rate changes
 
     def admit(self, start: int, end: int) -> None:
@@ -195,7 +218,7 @@ class GoodputLength(LengthPolicy):
         deviations of that expectation (each row's acceptance estimate is uncertain; rows independent)."""
         if self._expected is None or self._expected[0] != n or len(self._expected[1]) != top + 1:
             rate = self.total[0] / self.total[1]
-            w = self.prior_weight
+            w = self.weight(n)
             seen = self.tested[:n] + w
             a = ((self.accepted[:n] + w * rate) / seen).clamp(0.0, 0.999)[:, None]  # [n, 1]
             k = torch.arange(top + 1, device=a.device, dtype=a.dtype)[None, :]
@@ -205,6 +228,33 @@ class GoodputLength(LengthPolicy):
             self._expected = (n, mean.sum(0).tolist(), sd.pow(2).sum(0).sqrt().tolist())
         _, mean, sd = self._expected
         return [m + optimism * s for m, s in zip(mean, sd)]
+
+    def weight(self, n: int) -> float:
+        """How many tested tokens the pair's rate is worth in a row's estimate: 1/rho - 1, rho the
+        intra-row correlation of acceptances of a beta-binomial, by the method of moments (Kleinman's,
+        rows weighted by their tested tokens) over the finished rows kept and rows [0, n) that have
+        tested any, less one standard error of it (the rows' spread must show beyond noise before a row
+        is trusted over the pair; an overestimated rho is what lets rows chase their noise, and from a
+        few rows the raw estimate swings far). `prior_weight` until four rows have."""
+        rows = self.rows + [r for r in zip(self.accepted[:n].tolist(), self.tested[:n].tolist()) if r[1] > 0]
+        if len(rows) < 4:
+            return self.prior_weight
+        total = sum(t for _, t in rows)
+        p = sum(x for x, _ in rows) / total
+        if not 0 < p < 1:
+            return self.max_weight  # every test agreed so far: nothing tells rows apart
+        spread = sum((x - p * t) ** 2 / t for x, t in rows) / (p * (1 - p))  # sum t (r - p)^2 / p(1-p)
+        dof = len(rows) - 1
+        room = total - sum(t * t for _, t in rows) / total - dof
+        rho = (spread - dof - math.sqrt(2 * dof)) / room if room > 0 else 0.0  # spread ~ chi2(dof) if rho = 0
+        return min(self.max_weight, max(self.min_weight, 1 / rho - 1)) if rho > 0 else self.max_weight
+
+    def untimed(self) -> None:
+        self._round = None
+
+    def retire(self, slot: int) -> None:
+        if self.tested[slot] > 0:
+            self.rows[:] = (self.rows + [(float(self.accepted[slot]), float(self.tested[slot]))])[-self.rows_kept:]
 
     bucket = staticmethod(VerifyWidths.bucket)  # batch sizes timed per power of two
 
@@ -236,10 +286,15 @@ class GoodputLength(LengthPolicy):
             return 0  # the baseline first: every other length is measured against it
         cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
         tokens = self.expected_tokens(n, top, self.optimism)
-        best = max(cost, key=lambda k: tokens[k] / cost[k])
-        if self._probe is not None and self._probe[0] == b:  # a re-timing just ran: did it change anything?
+        ranked = sorted(cost, key=lambda k: tokens[k] / cost[k], reverse=True)
+        best = ranked[0]
+        if self._probe is not None and self._probe[0] == b:  # a re-timing ran: did it change anything?
+            _, before, k, wanted, left = self._probe
+            if wanted > 0 and left > 0:
+                self._probe[4] -= 1
+                return k  # not yet a majority of fresh samples (or its first round was the draft's catch-up)
             wait = self.wait.get(b, self.refresh)
-            self.wait[b] = min(2 * wait, self.max_wait) if best == self._probe[1] else self.refresh
+            self.wait[b] = min(2 * wait, self.max_wait) if best == before else self.refresh
         self._probe = None
         self.best[b] = best
         # the shortest untimed length that could still win, on the estimates as they are (the optimism
@@ -256,9 +311,10 @@ class GoodputLength(LengthPolicy):
             if mean[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
                 return k
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
-        for k in (best - 1, best + 1, 0):
+        for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up
             if 0 <= k <= top and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
-                self._probe = (b, best)
+                # as many fresh samples as make its median theirs, in one round more than that at most
+                self._probe = [b, best, k, self.samples // 2 + 1, self.samples // 2 + 1]
                 return k
         return best
 
@@ -310,9 +366,14 @@ class GoodputLength(LengthPolicy):
 
     def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
         k = int(drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
-        if self._round is not None and n:
+        # the first drafting round after plain ones is not a sample of its length: the draft first catches
+        # up on every token the plain rounds emitted (traced: such rounds took 110-130 ms where that
+        # length's steady rounds took 100-105, and timing them kept a batch of one at K = 0 for good)
+        if self._round is not None and n and not (k and self._last == 0):
             self.record(n, k, time.perf_counter() - self._round)
-        self._round = None
+            if self._probe is not None and self._probe[2] == k and self.bucket(n) == self._probe[0]:
+                self._probe[3] -= 1
+        self._round, self._last = None, k
         self.memory["goodput_round"] += 1
         if k == 0:
             return  # a plain round tests nothing: the rates stand

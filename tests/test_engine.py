@@ -1,5 +1,7 @@
 """Engine invariants: greedy losslessness, acceptance extremes, stats, stops, bad prompts."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -171,6 +173,7 @@ def test_goodput_choice_from_measured_times(rate, draft_cost, expected):
     pol.admit(0, 8)
     pol.tested[:8] = 1000.0
     pol.accepted[:8] = 1000.0 * rate
+    pol.total[:] = [8000.0 * rate, 8000.0]  # the pair's rate is over the same rows
     assert pol.choose(8) == expected
     assert memory["goodput_best"] == {8: expected}
     # a batch-size bucket not timed yet borrows bucket 8's times (scaled): same choice, no exploration
@@ -207,15 +210,19 @@ def test_goodput_explores_only_lengths_that_could_win():
     cost = {0: 0.004, 1: 0.012, 2: 0.016, 3: 0.020, 4: 0.024}  # K=1: 1.5 tokens for 3x the time
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
     pol.admit(0, 8)
-    chosen = drive_goodput(pol, 8, cost, 0.5, 60, gen)
-    assert chosen[:4] == [0, 0, 0, 1] and set(chosen) == {0, 1}  # plain rounds first: the baseline
-    assert chosen.count(1) <= 3  # the first timing and re-timings only, whose wait doubles each time
+    chosen = drive_goodput(pol, 8, cost, 0.5, 120, gen)
+    # plain rounds first (the baseline); a length's first round after plain ones is not a sample of it
+    # (a draft model catches up on the plain rounds' tokens), so the first timing from K=0 takes two
+    # rounds, and a re-timing three (two fresh samples: the median of the last three is theirs)
+    assert chosen[:6] == [0, 0, 0, 1, 1, 0] and set(chosen) == {0, 1}
+    runs = "".join(map(str, chosen)).replace("0", " ").split()
+    assert runs == ["11", "111", "111"]  # re-timed after 24 rounds, then after 48: the wait doubles
     # memory-bound (each drafted token nearly free) and a good draft: the search walks up to the top
     cheap = {k: 0.004 + 0.0004 * k for k in range(5)}
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
     pol.admit(0, 8)
     chosen = drive_goodput(pol, 8, cheap, 0.9, 40, gen)
-    assert chosen[:7] == [0, 0, 0, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
+    assert chosen[:8] == [0, 0, 0, 1, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
 
 
 @pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
@@ -326,32 +333,71 @@ def test_goodput_acceptance_estimate_is_unbiased_for_long_drafts():
 
 def test_goodput_retimes_a_stale_neighbour():
     """A length measured once, slowly (a busy machine, a first call at a new shape), must not stay
-    shunned for good: once `refresh` rounds stale it is timed again, and the new measurement counts.
-    A re-timing that confirms the choice doubles the wait before the next one."""
+    shunned for good: once `refresh` rounds stale it is timed again, until the median is fresh
+    samples', and the new measurement counts. A re-timing that confirms the choice doubles the wait
+    before the next one."""
     from specdec.policy import GoodputLength, Slots
     memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.6], (8, 2): [2.2]},  # K>0: ratios to K=0
-              "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0}
+              "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0,
+              "goodput_total": [4000.0, 10000.0]}
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=2), Slots(8, "cpu"), memory)
     pol.admit(0, 8)
     pol.tested[:8], pol.accepted[:8] = 1000.0, 400.0  # a = 0.4: K=1 earns 1.4 tokens, K=2 1.56
-    assert pol.choose(8) == 0  # 1 token per 1.0 s beats 1.4 per 1.6 s and 1.56 per 2.2 s
     refresh = GoodputLength.refresh
-    memory["goodput_round"] = now = refresh + 1
-    memory["goodput_stamp"].update({(8, 0): now, (8, 2): now})  # K=0 ran all along; K=2 was re-timed
-    assert pol.choose(8) == 1  # stale: timed again
-    memory["goodput_times"][(8, 1)] += [1.2, 1.2]  # the re-timing and the round after it
-    memory["goodput_stamp"][(8, 1)] = now
-    assert pol.choose(8) == 1  # 1.4 tokens per 1.2 s (the median kept) now beats 1 per 1.0 s
-    assert memory["goodput_wait"][8] == refresh  # the choice changed: the wait starts over
-    memory["goodput_round"] = now = now + refresh + 1
-    memory["goodput_stamp"].update({(8, 1): now, (8, 2): now})  # K=1 ran all along; K=2 was re-timed
-    assert pol.choose(8) == 0  # K=0 is stale: re-timed, and it confirms K=1
-    memory["goodput_stamp"][(8, 0)] = now
-    assert pol.choose(8) == 1 and memory["goodput_wait"][8] == 2 * refresh
-    memory["goodput_round"] = now + 2 * refresh
-    assert pol.choose(8) == 1  # not stale under the doubled wait
-    memory["goodput_round"] = now + 2 * refresh + 1
-    assert pol.choose(8) == 0
+    # in truth K=1 takes 1.2 s: 1.4 tokens per 1.2 s beats 1 per 1.0 s (and 1.56 per 2.2 s)
+    chosen = drive_goodput(pol, 8, {0: 1.0, 1: 1.2, 2: 2.2}, 0.4, 250, torch.Generator().manual_seed(0))
+    assert chosen[: refresh + 1] == [0] * (refresh + 1)  # 1.4 per 1.6 s loses, until K=1 is stale
+    # K=1 again: its first round is the draft's catch-up, two more are samples, which outvote the slow one
+    assert chosen[refresh + 1: refresh + 4] == [1, 1, 1]
+    after = "".join(map(str, chosen[refresh + 4:]))
+    assert after.count("1") >= 0.9 * len(after)  # K=1 from then on, but for re-timings of K=0 and K=2
+    probes = [(m.start(), m.group()) for m in re.finditer("0+|2+", after)]
+    assert {p for _, p in probes} == {"00", "22"}  # two fresh samples each (neither follows plain rounds)
+    gaps = [b - a for (a, _), (b, _) in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps)  # each confirmation doubles the wait
+    assert memory["goodput_wait"][8] >= 4 * refresh
+
+
+def test_goodput_retimes_the_runner_up_after_plain_rounds_win():
+    """Where K=1 is the worst drafting length (one draft forward for at most one token; on the CPU,
+    verify shapes of 2 and 3 tokens cost more than 5) and K=2 was once timed slowly, K=0 wins. Its
+    neighbour K=1 confirms that; the runner-up, K=2, is re-timed too and takes over."""
+    from specdec.policy import GoodputLength, Slots
+    memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.9] * 3, (8, 2): [2.2] * 3},
+              "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0,
+              "goodput_total": [6000.0, 10000.0]}
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=2), Slots(8, "cpu"), memory)
+    pol.admit(0, 8)
+    pol.tested[:8], pol.accepted[:8] = 1000.0, 600.0  # a = 0.6: K=1 earns 1.6 tokens, K=2 1.96
+    cost = {0: 1.0, 1: 1.9, 2: 1.7}  # K=2 really: 1.96 per 1.7 s beats 1 per 1.0 s
+    chosen = drive_goodput(pol, 8, cost, 0.6, 200, torch.Generator().manual_seed(0))
+    runs = "".join(map(str, chosen))
+    assert runs.startswith("0" * 25 + "111" + "0" * 20)  # K=1 re-timed: it loses, the wait doubles to 48
+    assert "0222" in runs[:60]  # then the runner-up: its first round catches up, two more are samples
+    assert runs[60:].count("2") >= 0.9 * len(runs[60:])  # and it wins from then on
+
+
+def test_goodput_weight_follows_how_much_rows_differ():
+    """A row's acceptance is shrunk towards the pair's by a weight estimated from the rows: rows that
+    differ only by sampling noise get a large one (a row's lucky streak is not its rate), rows from two
+    populations (code and chat, say) the smallest, so each follows its own."""
+    from specdec.policy import GoodputLength, Slots
+    gen = torch.Generator().manual_seed(0)
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
+    assert pol.weight(0) == pol.prior_weight  # no rows yet
+    for _ in range(32):
+        pol.rows.append((float((torch.rand(60, generator=gen) < 0.5).sum()), 60.0))
+    assert pol.weight(0) >= 200
+    pol.rows[:] = [(float((torch.rand(60, generator=gen) < rate).sum()), 60.0) for rate in [0.2, 0.8] * 16]
+    assert pol.weight(0) == pol.min_weight  # rho = 0.09 / 0.25: a weight of 1.8, kept at the minimum
+    # active rows count too, finished ones are kept when their slot is reused
+    pol.rows.clear()
+    pol.admit(0, 8)
+    pol.tested[:8] = 60.0
+    pol.accepted[:8] = torch.tensor([12.0, 48.0] * 4)
+    assert pol.weight(8) == pol.min_weight
+    pol.retire(3)
+    assert pol.rows == [(48.0, 60.0)]
 
 
 def test_goodput_ratios_follow_the_level():
@@ -390,6 +436,7 @@ def test_goodput_ratio_against_a_plain_round_of_as_many_rows(monkeypatch):
     for _ in range(3):
         round_of(8, 0.100, 0)
     round_of(5, 0.090, 0)
+    round_of(5, 0.300, 1)  # the first after plain rounds: the draft catches up on their tokens, no sample
     round_of(5, 0.135, 1)
     assert pol.times[(8, 1)] == [pytest.approx(1.5)]
     # no recent plain round at 3 rows: the 8-row level scaled to 3 rows is the reference
@@ -397,6 +444,7 @@ def test_goodput_ratio_against_a_plain_round_of_as_many_rows(monkeypatch):
     assert pol.times[(4, 1)] == [pytest.approx(0.075 / (0.100 * 3 / 8))]
     for _ in range(policy_mod.GoodputLength.refresh + 1):  # the 5-row timing goes stale
         round_of(8, 0.100, 0)
+    round_of(5, 0.300, 1)
     round_of(5, 0.135, 1)
     assert pol.times[(8, 1)][-1] == pytest.approx(0.135 / (0.100 * 5 / 8))
 

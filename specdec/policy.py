@@ -173,8 +173,13 @@ class GoodputLength(LengthPolicy):
     it pays. A neighbour of the choice (K - 1, K + 1, and 0) or the runner-up (the length second by
     its estimate) is timed again once it is `refresh` rounds stale (the runner-up because after K = 0
     wins, K = 1 is often the worst of the drafting lengths, one draft forward for at most one token,
-    and re-timing only it left a batch of one at K = 0 for good while K = 2 would have won), so one slow sample cannot lock a choice in; each re-timing that leaves the choice
-    as it was doubles that wait (a steady batch stops paying for probes), a change resets it.
+    and re-timing only it left a batch of one at K = 0 for good while K = 2 would have won), if its
+    estimated tokens per second are within `retime_within` of the choice's (about the spread of this
+    VM's round times: a length further behind needs more than noise to win, and re-timing costs most
+    where speculation loses most: at batch 32 a round of K = 1 after K = 0 first feeds the draft every
+    token since its rows joined). So one slow sample cannot lock a choice in; each re-timing that
+    leaves the choice as it was doubles that wait (a steady batch stops paying for probes), a change
+    resets it.
     """
 
     profiles = True
@@ -187,6 +192,7 @@ class GoodputLength(LengthPolicy):
     prior_tokens = 16  # the pair's rate starts at 0.5, worth this many tested tokens
     samples = 3
     refresh = 24
+    retime_within = 0.85  # a length is re-timed only if its estimate is within this of the best's
     max_wait = 1 << 12
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
@@ -311,8 +317,9 @@ class GoodputLength(LengthPolicy):
             if mean[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
                 return k
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
-        for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up
-            if 0 <= k <= top and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
+        close = [k for k in ranked if tokens[k] / cost[k] >= self.retime_within * tokens[best] / cost[best]]
+        for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up, if close
+            if k in close and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most
                 self._probe = [b, best, k, self.samples // 2 + 1, self.samples // 2 + 1]
                 return k

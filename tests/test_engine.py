@@ -155,9 +155,8 @@ def test_goodput_is_lossless_and_follows_acceptance(target, drafts, prompts, ref
         assert [r.token_ids for r in results] == reference
         for r in results:
             check_stats(r)
-    # every draft length was timed once per batch-size bucket, then chosen from the measurements
-    assert any(d == 0 for r in results for d in r.draft_lengths)
-    assert any(d > 0 for r in results for d in r.draft_lengths)
+    # (whether speculation pays on these tiny models is the machine's business; choosing from given
+    # times and rates is tested on a fake clock below)
 
 
 @pytest.mark.parametrize("rate,draft_cost,expected", [
@@ -213,16 +212,15 @@ def test_goodput_explores_only_lengths_that_could_win():
     chosen = drive_goodput(pol, 8, cost, 0.5, 120, gen)
     # plain rounds first (the baseline); a length's first round after plain ones is not a sample of it
     # (a draft model catches up on the plain rounds' tokens), so the first timing from K=0 takes two
-    # rounds, and a re-timing three (two fresh samples: the median of the last three is theirs)
-    assert chosen[:6] == [0, 0, 0, 1, 1, 0] and set(chosen) == {0, 1}
-    runs = "".join(map(str, chosen)).replace("0", " ").split()
-    assert runs == ["11", "111", "111"]  # re-timed after 24 rounds, then after 48: the wait doubles
+    # rounds; K=1 then earns half of K=0's tokens per second, too far behind to be worth re-timing
+    assert chosen[:6] == [0, 0, 0, 1, 1, 0] and chosen[6:] == [0] * 114
     # memory-bound (each drafted token nearly free) and a good draft: the search walks up to the top
     cheap = {k: 0.004 + 0.0004 * k for k in range(5)}
     pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=4), Slots(8, "cpu"), {})
     pol.admit(0, 8)
     chosen = drive_goodput(pol, 8, cheap, 0.9, 40, gen)
-    assert chosen[:8] == [0, 0, 0, 1, 1, 2, 3, 4] and chosen[-10:] == [4] * 10
+    assert chosen[:8] == [0, 0, 0, 1, 1, 2, 3, 4] and pol.best[8] == 4
+    assert chosen[8:].count(4) >= 0.85 * len(chosen[8:])  # but for re-timings of K=3
 
 
 @pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
@@ -352,7 +350,8 @@ def test_goodput_retimes_a_stale_neighbour():
     after = "".join(map(str, chosen[refresh + 4:]))
     assert after.count("1") >= 0.9 * len(after)  # K=1 from then on, but for re-timings of K=0 and K=2
     probes = [(m.start(), m.group()) for m in re.finditer("0+|2+", after)]
-    assert {p for _, p in probes} == {"00", "22"}  # two fresh samples each (neither follows plain rounds)
+    # two fresh samples each (not after plain rounds); K=2 (1.56 per 2.2 s) is too far behind to re-time
+    assert {p for _, p in probes} == {"00"}
     gaps = [b - a for (a, _), (b, _) in zip(probes, probes[1:])]
     assert len(probes) >= 3 and gaps == sorted(gaps)  # each confirmation doubles the wait
     assert memory["goodput_wait"][8] >= 4 * refresh
@@ -361,7 +360,8 @@ def test_goodput_retimes_a_stale_neighbour():
 def test_goodput_retimes_the_runner_up_after_plain_rounds_win():
     """Where K=1 is the worst drafting length (one draft forward for at most one token; on the CPU,
     verify shapes of 2 and 3 tokens cost more than 5) and K=2 was once timed slowly, K=0 wins. Its
-    neighbour K=1 confirms that; the runner-up, K=2, is re-timed too and takes over."""
+    neighbour K=1 is too far behind to re-time (0.84 of K=0's tokens per second); the runner-up, K=2
+    (0.89), is re-timed and takes over."""
     from specdec.policy import GoodputLength, Slots
     memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.9] * 3, (8, 2): [2.2] * 3},
               "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0,
@@ -372,9 +372,9 @@ def test_goodput_retimes_the_runner_up_after_plain_rounds_win():
     cost = {0: 1.0, 1: 1.9, 2: 1.7}  # K=2 really: 1.96 per 1.7 s beats 1 per 1.0 s
     chosen = drive_goodput(pol, 8, cost, 0.6, 200, torch.Generator().manual_seed(0))
     runs = "".join(map(str, chosen))
-    assert runs.startswith("0" * 25 + "111" + "0" * 20)  # K=1 re-timed: it loses, the wait doubles to 48
-    assert "0222" in runs[:60]  # then the runner-up: its first round catches up, two more are samples
-    assert runs[60:].count("2") >= 0.9 * len(runs[60:])  # and it wins from then on
+    # once stale, the runner-up: its first round catches the draft up, two more are samples
+    assert runs.startswith("0" * 25 + "222")
+    assert runs[28:].count("2") >= 0.9 * len(runs[28:])  # and it wins from then on
 
 
 def test_goodput_weight_follows_how_much_rows_differ():

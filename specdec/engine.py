@@ -126,8 +126,9 @@ class SpecEngine:
         length `samples` times and a plain round next to every timing (the plain round is the level
         every other length is a ratio to, so it is timed most, and alongside, as the machine's load
         drifts). The minimum of each counts here, where samples are taken back to back on idle rows;
-        the policy keeps live rounds' medians, and those replace these as the job runs. Lengths are timed upwards while `policy.worth_timing` says one
-        could still win, given that drafting one more token costs at least one draft forward more. The
+        the policy keeps live rounds' medians, and those replace these as the job runs. Lengths are
+        timed upwards while `policy.worth_timing` says one could still win, given that drafting one
+        more token costs at least one draft forward more. The
         rows repeat a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does not
         depend on the tokens) and are cut back to `context` tokens after every round, so every round runs
         at the same length. Returns the seconds it took: once per engine, which a job's worker pays when

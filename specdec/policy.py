@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -122,6 +123,17 @@ class ConfidenceLength(LengthPolicy):
         return token_prob >= self.spec.confidence_threshold
 
 
+@dataclass
+class _Retiming:
+    """A length being timed again at a bucket, until `wanted` fresh samples are in or `left` rounds run out."""
+
+    bucket: int
+    before: int  # the choice when it began
+    k: int
+    wanted: int
+    left: int
+
+
 class GoodputLength(LengthPolicy):
     """Batch-aware: one draft length K for the batch, chosen to maximise expected emitted tokens per
     second of the whole batch, K = 0 (no speculation) included.
@@ -149,12 +161,13 @@ class GoodputLength(LengthPolicy):
     current level. Medians, not minima: throughput follows what rounds cost on average, and on a
     shared 2-core VM speculative rounds varied far more than plain ones (K=2 110-155 ms against
     64-70 ms), so minima made speculation look about 15% cheaper than it was and kept it on where
-    every fixed length lost. Rounds get slower as rows grow longer and a length that has not run for a while would otherwise look cheaper than it is; as a ratio it
-    drifts with the level. The ratio is taken against a recent plain round of exactly as many rows
-    where there is one: a batch draining at the end of a run (8 rows, then 7, then 5) would otherwise
-    be scaled to the full bucket as if a round's cost grew with its rows, which a memory-bound step's
-    does not (measured on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times
-    `samples` plain rounds before anything else. A bucket not yet timed borrows the nearest bucket's
+    every fixed length lost. Rounds get slower as rows grow longer and a length that has not run for
+    a while would otherwise look cheaper than it is; as a ratio it drifts with the level. The ratio
+    is taken against a recent plain round of exactly as many rows where there is one: a batch
+    draining at the end of a run (8 rows, then 7, then 5) would otherwise be scaled to the full
+    bucket as if a round's cost grew with its rows, which a memory-bound step's does not (measured
+    on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times `samples` plain rounds
+    before anything else. A bucket not yet timed borrows the nearest bucket's
     ratios and its level scaled by batch size.
 
     The first times come from the engine's start-up profile (`SpecEngine.profile`: the draft's forwards
@@ -169,8 +182,9 @@ class GoodputLength(LengthPolicy):
     tried only if, on the plain estimate of its tokens (no optimism), it would beat every timed length
     even at the cost of the dearest shorter K timed plus the last measured step per token for each
     token beyond the longest one (a round never gets cheaper by drafting more). Where speculation
-    loses (a compute-bound target, a large batch) that stops after one round of K = 1; where it wins, the search walks up as far as
-    it pays. A neighbour of the choice (K - 1, K + 1, and 0) or the runner-up (the length second by
+    loses (a compute-bound target, a large batch) that stops once K = 1 is timed (two rounds: the
+    first after plain ones is the draft's catch-up, no sample); where it wins, the search walks up
+    as far as it pays. A neighbour of the choice (K - 1, K + 1, and 0) or the runner-up (the length second by
     its estimate) is timed again once it is `refresh` rounds stale (the runner-up because after K = 0
     wins, K = 1 is often the worst of the drafting lengths, one draft forward for at most one token,
     and re-timing only it left a batch of one at K = 0 for good while K = 2 would have won), if its
@@ -209,8 +223,7 @@ class GoodputLength(LengthPolicy):
         self.rows: list[tuple[float, float]] = self.memory.setdefault("goodput_rows", [])  # finished rows' counts
         self.memory.setdefault("goodput_round", 0)
         self._round: float | None = None  # when the round being run started
-        # while re-timing: [bucket, choice before, K, samples still wanted, rounds left to get them]
-        self._probe: list[int] | None = None
+        self._probe: _Retiming | None = None
         self._last: int | None = None  # the length the last round ran
         self._expected: tuple[int, list[float], list[float]] | None = None  # (n, mean, sd) until a rate changes
 
@@ -294,13 +307,13 @@ class GoodputLength(LengthPolicy):
         tokens = self.expected_tokens(n, top, self.optimism)
         ranked = sorted(cost, key=lambda k: tokens[k] / cost[k], reverse=True)
         best = ranked[0]
-        if self._probe is not None and self._probe[0] == b:  # a re-timing ran: did it change anything?
-            _, before, k, wanted, left = self._probe
-            if wanted > 0 and left > 0:
-                self._probe[4] -= 1
-                return k  # not yet a majority of fresh samples (or its first round was the draft's catch-up)
+        probe = self._probe
+        if probe is not None and probe.bucket == b:  # a re-timing ran: did it change anything?
+            if probe.wanted > 0 and probe.left > 0:
+                probe.left -= 1
+                return probe.k  # not yet a majority of fresh samples (or its first round was the draft's catch-up)
             wait = self.wait.get(b, self.refresh)
-            self.wait[b] = min(2 * wait, self.max_wait) if best == before else self.refresh
+            self.wait[b] = min(2 * wait, self.max_wait) if best == probe.before else self.refresh
         self._probe = None
         self.best[b] = best
         # the shortest untimed length that could still win, on the estimates as they are (the optimism
@@ -321,7 +334,7 @@ class GoodputLength(LengthPolicy):
         for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up, if close
             if k in close and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most
-                self._probe = [b, best, k, self.samples // 2 + 1, self.samples // 2 + 1]
+                self._probe = _Retiming(b, best, k, wanted=self.samples // 2 + 1, left=self.samples // 2 + 1)
                 return k
         return best
 
@@ -378,8 +391,8 @@ class GoodputLength(LengthPolicy):
         # length's steady rounds took 100-105, and timing them kept a batch of one at K = 0 for good)
         if self._round is not None and n and not (k and self._last == 0):
             self.record(n, k, time.perf_counter() - self._round)
-            if self._probe is not None and self._probe[2] == k and self.bucket(n) == self._probe[0]:
-                self._probe[3] -= 1
+            if self._probe is not None and (self._probe.bucket, self._probe.k) == (self.bucket(n), k):
+                self._probe.wanted -= 1
         self._round, self._last = None, k
         self.memory["goodput_round"] += 1
         if k == 0:

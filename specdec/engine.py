@@ -131,8 +131,10 @@ class SpecEngine:
         more token costs at least one draft forward more. The
         rows repeat a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does not
         depend on the tokens) and are cut back to `context` tokens after every round, so every round runs
-        at the same length. Returns the seconds it took: once per engine, which a job's worker pays when
-        it loads its models."""
+        at the same length. It also times the target's prefill of one row and of two, and the draft's of
+        one (`policy.record_admission`): what a row joining alone costs, as rows that speculation put out
+        of step do. Returns the seconds it took: once per engine, which a job's worker pays when it loads
+        its models."""
         t_start = time.perf_counter()
         m, cap, dev = self.spec.max_draft_tokens, self.batch_size, self.device
         g = torch.Generator().manual_seed(0)
@@ -142,6 +144,23 @@ class SpecEngine:
         loop = _Loop(self, batch, prompts, list(range(cap)), [None] * cap)
         loop.admit(list(range(cap)))
         policy = batch.policy
+
+        def prefill(model, cache, rows: int) -> float:
+            """Seconds to prefill rows [0, rows) again (their caches get what they hold), best of `samples`."""
+            best = float("inf")
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                batch.prefill(model, cache, 0, rows)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        # what a prefill call costs beyond its rows' share (a 1-row and a 2-row call: affine in rows), and a
+        # row's draft prefill: what joining alone costs, which rows drifting apart under speculation do
+        fixed = 0.0  # at one row every admission is alone, whatever the length
+        if cap > 1:
+            fixed = max(0.0, 2 * prefill(self.target, batch.target_cache, 1) - prefill(self.target, batch.target_cache, 2))
+        draft = prefill(self.pair.draft, batch.proposer.cache, 1) if self.spec.method == "draft_model" else 0.0
+        policy.record_admission(fixed, draft, self.sampling.max_new_tokens)
 
         def timed(n: int, k: int) -> tuple[int, float, float]:
             """One round of k drafts on rows [0, n): (k drafted, seconds drafting, seconds verifying)."""
@@ -242,6 +261,7 @@ class _Loop:
         while queue or b.n:
             if queue and b.n < b.capacity:
                 self.admit([queue.popleft() for _ in range(min(b.capacity - b.n, len(queue)))])
+            b.policy.waiting = len(queue)
             self.step()
 
     def admit(self, indices: list[int]) -> None:

@@ -5,6 +5,7 @@ A policy is asked three things by the engine, all per row and as tensors:
 - `keep(step, token_prob, hidden)`: after draft step `step`, which rows go on drafting (None = all);
 - `observe(drafted, accepted)`: what happened, to adapt;
 - `retire(slot)`: a row finished.
+The engine also sets `waiting`: how many prompts wait for a free slot (none: no admission follows).
 Per-row state lives in `Slots` tensors, which follow rows when finished rows are compacted away.
 """
 
@@ -47,6 +48,7 @@ class LengthPolicy:
     uses_draft_probs = False  # keep() reads the draft's probability of its token
     keep_after_feed = False  # keep() reads the draft's hidden state after the drafted token was fed
     profiles = False  # plans from round times: the engine times every length at start-up (record())
+    waiting = 0  # prompts queued for a slot, set by the engine before every round
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         self.spec = spec
@@ -77,6 +79,11 @@ class LengthPolicy:
 
     def record(self, n: int, k: int, seconds: float) -> None:
         """A round of n rows that drafted at most k tokens took `seconds` (the engine's start-up profile)."""
+
+    def record_admission(self, fixed: float, draft: float, row_tokens: int) -> None:
+        """Start-up profile: an admission (the target's prefill of the rows joining) costs `fixed` seconds
+        besides its rows' own share, a row's draft prefill costs `draft` seconds, and a row emits at most
+        `row_tokens` tokens."""
 
     def worth_timing(self, k: int, rounds: dict[int, float], floor: float) -> bool:
         """Start-up profile: should k drafts be timed, given the round times of the lengths timed so far
@@ -168,7 +175,8 @@ class GoodputLength(LengthPolicy):
     bucket as if a round's cost grew with its rows, which a memory-bound step's does not (measured
     on the CPU in bfloat16: 35 ms at 5 rows, 30 ms at 8). Each bucket times `samples` plain rounds
     before anything else. A bucket not yet timed borrows the nearest bucket's
-    ratios and its level scaled by batch size.
+    ratios and its level scaled by batch size; a bucket with times of its own borrows nothing (a length
+    it has no time for is untimed there, and exploration decides whether it is worth timing).
 
     The first times come from the engine's start-up profile (`SpecEngine.profile`: the draft's forwards
     and the target's verification timed apart on synthetic rows at every bucket, composed into round
@@ -194,6 +202,20 @@ class GoodputLength(LengthPolicy):
     token since its rows joined). So one slow sample cannot lock a choice in; each re-timing that
     leaves the choice as it was doubles that wait (a steady batch stops paying for probes), a change
     resets it.
+
+    A length's cost also counts the admissions it brings on (`joining`), which no round time shows. Rows
+    that decode in lockstep finish in the same round and join as one group; speculation emits a varying
+    number of tokens per row, so rows drift apart and then finish, and join, one at a time, each paying
+    a prefill call's fixed cost alone (and its draft prefill, which rows joining while K = 0 skip).
+    Measured on the 2-core CPU at 8 rows: a 45-token prompt's target prefill took 141 ms alone, 78 ms a
+    row in a group of 8; fixed k = 1 ran 6 admissions where autoregressive ran 2 (0.4-1.1 s more in a
+    17 s run), which turned rounds that were 1-6% cheaper per token into a run 5% slower. So a round
+    of K is charged, for each row it is expected to finish (expected tokens / a row's emitted tokens),
+    the fixed cost shared by the rows joining with it (rows per admission as measured after plain or
+    after drafting rounds, else all rows in lockstep for plain and 1 for drafting) plus, when K > 0, a
+    row's draft prefill. Only while prompts wait: in the drain at a job's end nothing joins. The costs
+    come from the start-up profile (`record_admission`: a 1-row and a 2-row prefill); a row's tokens from
+    finished rows, else `max_new_tokens`.
     """
 
     profiles = True
@@ -203,6 +225,7 @@ class GoodputLength(LengthPolicy):
     # `weight` has rows enough to estimate it; estimates are kept within [min_weight, max_weight]
     min_weight, max_weight = 4.0, 1024.0
     rows_kept = 64  # finished rows whose (accepted, tested) counts `weight` reads, besides the active ones
+    groups_kept = 8  # recent admissions whose sizes `joining` averages
     prior_tokens = 16  # the pair's rate starts at 0.5, worth this many tested tokens
     samples = 3
     refresh = 24
@@ -222,6 +245,12 @@ class GoodputLength(LengthPolicy):
         self.plain: dict[int, list[tuple[int, float]]] = self.memory.setdefault("goodput_plain", {})  # per row count
         self.rows: list[tuple[float, float]] = self.memory.setdefault("goodput_rows", [])  # finished rows' counts
         self.memory.setdefault("goodput_round", 0)
+        # admissions: fixed and draft-prefill seconds, a row's tokens (the profile's); rows per admission
+        # after plain / drafting rounds; tokens emitted by finished rows
+        self.admission = self.memory.setdefault("goodput_admission", {"fixed": 0.0, "draft": 0.0, "row_tokens": 0})
+        self.groups: dict[bool, list[int]] = self.memory.setdefault("goodput_groups", {False: [], True: []})
+        self.lengths: list[float] = self.memory.setdefault("goodput_lengths", [])
+        self.emitted = slots.add("goodput_emitted", dtype=torch.float64)
         self._round: float | None = None  # when the round being run started
         self._probe: _Retiming | None = None
         self._last: int | None = None  # the length the last round ran
@@ -230,7 +259,29 @@ class GoodputLength(LengthPolicy):
     def admit(self, start: int, end: int) -> None:
         self.tested[start:end] = 0
         self.accepted[start:end] = 0
+        self.emitted[start:end] = 0
         self._expected = None
+        if self._last is not None:  # not the batch's first fill: rows that finished after this kind of round
+            self._keep(self.groups, self._last > 0, end - start, self.groups_kept)
+
+    def record_admission(self, fixed: float, draft: float, row_tokens: int) -> None:
+        self.admission.update(fixed=fixed, draft=draft, row_tokens=row_tokens)
+
+    def in_step(self, n: int) -> bool:
+        """Have rows [0, n) (n > 1) all emitted as many tokens, so that plain rounds finish them together?"""
+        e = self.emitted[:n]
+        return n > 1 and bool((e == e[0]).all())
+
+    def joining(self, n: int, k: int, tokens: float) -> float:
+        """Seconds of admission a round of length k (emitting `tokens` over n rows) brings on beyond its
+        rows' own prefill, which any length pays alike (see the class docstring)."""
+        cost = self.admission
+        if not (self.waiting or self.in_step(n)) or not (cost["fixed"] or cost["draft"]):
+            return 0.0
+        row = statistics.fmean(self.lengths) if self.lengths else cost["row_tokens"]
+        seen = self.groups[k > 0]
+        together = statistics.fmean(seen) if seen else (1 if k else n)  # rows per admission
+        return tokens / max(row, 1.0) * (cost["fixed"] / together + (cost["draft"] if k else 0.0))
 
     def expected_tokens(self, n: int, top: int, optimism: float = 0.0) -> list[float]:
         """Expected emitted tokens of the batch's first n rows for K = 0..top, plus `optimism` standard
@@ -272,8 +323,9 @@ class GoodputLength(LengthPolicy):
         self._round = None
 
     def retire(self, slot: int) -> None:
+        self._keep(self.lengths, None, float(self.emitted[slot]), self.rows_kept)
         if self.tested[slot] > 0:
-            self.rows[:] = (self.rows + [(float(self.accepted[slot]), float(self.tested[slot]))])[-self.rows_kept:]
+            self._keep(self.rows, None, (float(self.accepted[slot]), float(self.tested[slot])), self.rows_kept)
 
     bucket = staticmethod(VerifyWidths.bucket)  # batch sizes timed per power of two
 
@@ -295,7 +347,10 @@ class GoodputLength(LengthPolicy):
         t = statistics.median(level[1]) * b / level[0]
         if k == 0:
             return t
-        ratio = self._kept(b, k)
+        # only a bucket with no times of its own borrows a ratio: one that has them and not k's left k out
+        # (the profile stops where longer lengths cannot win), and another bucket's ratio (a batch of one
+        # drafts 5 tokens for 2.2 plain rounds, 8 rows 4 for 2.7) would make k look cheaper than shorter ones
+        ratio = (b, self.times[(b, k)]) if (b, k) in self.times else None if level[0] == b else self._kept(b, k)
         return None if ratio is None else t * statistics.median(ratio[1])
 
     def choose(self, n: int) -> int:
@@ -303,7 +358,10 @@ class GoodputLength(LengthPolicy):
         own = self.times.get((b, 0))
         if self._kept(b, 0) is None or (own is not None and len(own) < self.samples):
             return 0  # the baseline first: every other length is measured against it
-        cost = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
+        rounds = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
+        mean = self.expected_tokens(n, top)
+        join = [self.joining(n, k, mean[k]) for k in range(top + 1)]
+        cost = {k: t + join[k] for k, t in rounds.items()}
         tokens = self.expected_tokens(n, top, self.optimism)
         ranked = sorted(cost, key=lambda k: tokens[k] / cost[k], reverse=True)
         best = ranked[0]
@@ -318,7 +376,6 @@ class GoodputLength(LengthPolicy):
         self.best[b] = best
         # the shortest untimed length that could still win, on the estimates as they are (the optimism
         # above keeps a timed length in play; it is no reason to pay for rounds of a new one)
-        mean = self.expected_tokens(n, top)
         timed = sorted(cost)
         goal = max(mean[k] / cost[k] for k in timed)
         for k in range(1, top + 1):
@@ -326,13 +383,15 @@ class GoodputLength(LengthPolicy):
             if k in cost or not below:
                 continue
             j = below[-1]  # drafting more never makes a round cheaper, and costs at least the last step did
-            step = max(0.0, (cost[j] - cost[below[-2]]) / (j - below[-2])) if len(below) > 1 else 0.0
-            if mean[k] / (max(cost[i] for i in below) + (k - j) * step) > goal:
+            step = max(0.0, (rounds[j] - rounds[below[-2]]) / (j - below[-2])) if len(below) > 1 else 0.0
+            if mean[k] / (max(rounds[i] for i in below) + (k - j) * step + join[k]) > goal:
                 return k
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
         close = [k for k in ranked if tokens[k] / cost[k] >= self.retime_within * tokens[best] / cost[best]]
+        # rows in step that share their admissions' fixed cost: a probe would put them out of step for good
+        stay = best == 0 and self.admission["fixed"] > 0 and self.in_step(n)
         for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up, if close
-            if k in close and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
+            if k in close and k != best and not stay and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most
                 self._probe = _Retiming(b, best, k, wanted=self.samples // 2 + 1, left=self.samples // 2 + 1)
                 return k
@@ -349,9 +408,12 @@ class GoodputLength(LengthPolicy):
         self._round = time.perf_counter()
         return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
 
-    def _keep(self, store: dict, key, sample) -> None:
-        """Append `sample` to store[key], keeping the last `samples` of them."""
-        store[key] = (store.get(key, []) + [sample])[-self.samples:]
+    def _keep(self, store, key, sample, last: int | None = None) -> None:
+        """Append `sample` to store[key] (to the list `store` itself if key is None), keeping the last
+        `last` (default `samples`) of them."""
+        kept = store if key is None else store.setdefault(key, [])
+        kept.append(sample)
+        del kept[: -(last or self.samples)]
 
     def plain_time(self, n: int, b: int) -> float | None:
         """A plain round's time at n rows: measured at exactly n rows if that is recent, else the bucket's
@@ -395,6 +457,7 @@ class GoodputLength(LengthPolicy):
                 self._probe.wanted -= 1
         self._round, self._last = None, k
         self.memory["goodput_round"] += 1
+        self.emitted[:n] += accepted.to(torch.float64) + 1
         if k == 0:
             return  # a plain round tests nothing: the rates stand
         self._expected = None

@@ -235,6 +235,9 @@ def test_startup_profile_times_every_bucket_and_leaves_no_trace(target, drafts, 
     for b in (1, 2, 4):  # n = 1, 2 and 3 rows
         assert len(times[(b, 0)]) == 3 and (b, 1) in times
         assert {w for (bb, w) in eng.widths.times if bb == b} >= {1, 2}
+    joining = eng.policy_memory["goodput_admission"]  # a row joining alone: a prefill call's fixed cost ...
+    assert joining["fixed"] >= 0 and joining["row_tokens"] == MAX_NEW
+    assert (joining["draft"] > 0) == (method == "draft_model")  # ... and its draft prefill, if there is a draft
     results = eng.generate(prompts)
     assert [r.token_ids for r in results] == reference
     for r in results:
@@ -375,6 +378,34 @@ def test_goodput_retimes_the_runner_up_after_plain_rounds_win():
     # once stale, the runner-up: its first round catches the draft up, two more are samples
     assert runs.startswith("0" * 25 + "222")
     assert runs[28:].count("2") >= 0.9 * len(runs[28:])  # and it wins from then on
+
+
+def test_goodput_charges_the_admissions_speculation_brings_on():
+    """Rows in step finish, and join, together; speculation puts them out of step, so each joins alone,
+    paying a prefill call's fixed cost (and its draft prefill). Goodput charges a length for the
+    admissions it brings on: a length that wins by round times alone loses where rows wait and those
+    costs outweigh its gain, and is free of them where they do not apply."""
+    from specdec.policy import GoodputLength, Slots
+    cost = {0: 1.0, 1: 1.35}  # a = 0.5: K=1 earns 1.5 tokens for 1.35 plain rounds, 11% more per second
+    # at 8 rows: K=1 finishes 12/64 rows a round, each joining alone (2 s), where K=0's 8/64 share one call
+    # (2/8 s): 12 / (1.35 + 0.375) tokens a second against 8 / 1.03
+
+    def run(n, waiting, fixed, in_step=True):
+        memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.35] * 3, (1, 0): [1.0] * 3, (1, 1): [1.35] * 3},
+                  "goodput_stamp": {(8, 0): 0, (8, 1): 0, (1, 0): 0, (1, 1): 0}, "goodput_total": [5000.0, 10000.0]}
+        pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=1), Slots(8, "cpu"), memory)
+        pol.record_admission(fixed, 0.01, 64)
+        pol.admit(0, n)
+        pol.waiting = waiting
+        if not in_step:
+            pol.emitted[:n] = torch.arange(n, dtype=torch.float64)  # rows that joined at different rounds
+        return drive_goodput(pol, n, cost, 0.5, 60, torch.Generator().manual_seed(0))
+
+    assert run(8, waiting=100, fixed=0.0).count(1) >= 55  # no fixed cost: the round times decide
+    assert run(8, waiting=100, fixed=2.0) == [0] * 60  # rows in step stay in step: not even a probe
+    assert run(8, waiting=0, fixed=2.0) == [0] * 60  # none waits, but speculating would spread the finish
+    assert run(8, waiting=0, fixed=2.0, in_step=False).count(1) >= 55  # the drain of rows out of step
+    assert run(1, waiting=100, fixed=2.0).count(1) >= 55  # one row joins alone whatever the length
 
 
 def test_goodput_weight_follows_how_much_rows_differ():

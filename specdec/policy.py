@@ -213,9 +213,12 @@ class GoodputLength(LengthPolicy):
     of K is charged, for each row it is expected to finish (expected tokens / a row's emitted tokens),
     the fixed cost shared by the rows joining with it (rows per admission as measured after plain or
     after drafting rounds, else all rows in lockstep for plain and 1 for drafting) plus, when K > 0, a
-    row's draft prefill. Only while prompts wait: in the drain at a job's end nothing joins. The costs
-    come from the start-up profile (`record_admission`: a 1-row and a 2-row prefill); a row's tokens from
-    finished rows, else `max_new_tokens`.
+    row's draft prefill. Only while prompts wait, or while rows are in step (all have emitted as many
+    tokens): speculating then spreads their finish, so the batch drains with slots idle, a cost of the
+    same kind charged the same way; in the drain of rows already apart, nothing joins. From K = 0 with
+    rows in step, no other length is re-timed: one drafting round would put them apart for good. The
+    costs come from the start-up profile (`record_admission`: a 1-row and a 2-row prefill); a row's
+    tokens from finished rows, else `max_new_tokens`.
     """
 
     profiles = True
@@ -272,16 +275,21 @@ class GoodputLength(LengthPolicy):
         e = self.emitted[:n]
         return n > 1 and bool((e == e[0]).all())
 
-    def joining(self, n: int, k: int, tokens: float) -> float:
-        """Seconds of admission a round of length k (emitting `tokens` over n rows) brings on beyond its
-        rows' own prefill, which any length pays alike (see the class docstring)."""
+    def joining(self, n: int, in_step: bool) -> tuple[float, float]:
+        """Seconds of admission that each token emitted by rows [0, n) brings on beyond its row's own
+        prefill, which any length pays alike: under plain rounds and under drafting ones (see the class
+        docstring). `in_step`: `self.in_step(n)`."""
         cost = self.admission
-        if not (self.waiting or self.in_step(n)) or not (cost["fixed"] or cost["draft"]):
-            return 0.0
-        row = statistics.fmean(self.lengths) if self.lengths else cost["row_tokens"]
-        seen = self.groups[k > 0]
-        together = statistics.fmean(seen) if seen else (1 if k else n)  # rows per admission
-        return tokens / max(row, 1.0) * (cost["fixed"] / together + (cost["draft"] if k else 0.0))
+        if not (self.waiting or in_step) or not (cost["fixed"] or cost["draft"]):
+            return 0.0, 0.0
+        row = max(statistics.fmean(self.lengths) if self.lengths else cost["row_tokens"], 1.0)
+
+        def per_token(drafting: bool) -> float:
+            seen = self.groups[drafting]
+            together = statistics.fmean(seen) if seen else (1 if drafting else n)  # rows per admission
+            return (cost["fixed"] / together + (cost["draft"] if drafting else 0.0)) / row
+
+        return per_token(False), per_token(True)
 
     def expected_tokens(self, n: int, top: int, optimism: float = 0.0) -> list[float]:
         """Expected emitted tokens of the batch's first n rows for K = 0..top, plus `optimism` standard
@@ -360,7 +368,9 @@ class GoodputLength(LengthPolicy):
             return 0  # the baseline first: every other length is measured against it
         rounds = {k: t for k in range(top + 1) if (t := self.estimate(b, k)) is not None}
         mean = self.expected_tokens(n, top)
-        join = [self.joining(n, k, mean[k]) for k in range(top + 1)]
+        in_step = self.in_step(n)
+        per_token = self.joining(n, in_step)
+        join = [mean[k] * per_token[k > 0] for k in range(top + 1)]  # admission seconds a round brings on
         cost = {k: t + join[k] for k, t in rounds.items()}
         tokens = self.expected_tokens(n, top, self.optimism)
         ranked = sorted(cost, key=lambda k: tokens[k] / cost[k], reverse=True)
@@ -389,7 +399,7 @@ class GoodputLength(LengthPolicy):
         now, wait = self.memory["goodput_round"], self.wait.get(b, self.refresh)
         close = [k for k in ranked if tokens[k] / cost[k] >= self.retime_within * tokens[best] / cost[best]]
         # rows in step that share their admissions' fixed cost: a probe would put them out of step for good
-        stay = best == 0 and self.admission["fixed"] > 0 and self.in_step(n)
+        stay = best == 0 and self.admission["fixed"] > 0 and in_step
         for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up, if close
             if k in close and k != best and not stay and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most

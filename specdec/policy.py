@@ -201,7 +201,8 @@ class GoodputLength(LengthPolicy):
     where speculation loses most: at batch 32 a round of K = 1 after K = 0 first feeds the draft every
     token since its rows joined). So one slow sample cannot lock a choice in; each re-timing that
     leaves the choice as it was doubles that wait (a steady batch stops paying for probes), a change
-    resets it.
+    resets it. Of the stale lengths, the most promising is re-timed first: the wait is the bucket's, so
+    K = 1 re-timed first kept K = 2, the runner-up, waiting 24, then 48, then 96 rounds at batch 1.
 
     A length's cost also counts the admissions it brings on (`joining`), which no round time shows. Rows
     that decode in lockstep finish in the same round and join as one group; speculation emits a varying
@@ -400,8 +401,9 @@ class GoodputLength(LengthPolicy):
         close = [k for k in ranked if tokens[k] / cost[k] >= self.retime_within * tokens[best] / cost[best]]
         # rows in step that share their admissions' fixed cost: a probe would put them out of step for good
         stay = best == 0 and self.admission["fixed"] > 0 and in_step
-        for k in (best - 1, best + 1, 0, *ranked[1:2]):  # the neighbours and the runner-up, if close
-            if k in close and k != best and not stay and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
+        near = {best - 1, best + 1, 0, *ranked[1:2]}  # the neighbours and the runner-up
+        for k in close:  # best first: the most promising stale one is re-timed first
+            if k in near and k != best and not stay and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most
                 self._probe = _Retiming(b, best, k, wanted=self.samples // 2 + 1, left=self.samples // 2 + 1)
                 return k

@@ -380,6 +380,23 @@ def test_goodput_retimes_the_runner_up_after_plain_rounds_win():
     assert runs[28:].count("2") >= 0.9 * len(runs[28:])  # and it wins from then on
 
 
+def test_goodput_retimes_the_most_promising_stale_length_first():
+    """With K=0 chosen and both K=1 (its neighbour) and K=2 (the runner-up) stale and close, the one
+    with the better estimate is re-timed first: a re-timing that confirms K=0 doubles the wait of
+    both, so K=1 first would leave K=2, the one that wins, waiting twice as long."""
+    from specdec.policy import GoodputLength, Slots
+    memory = {"goodput_times": {(8, 0): [1.0] * 3, (8, 1): [1.85] * 3, (8, 2): [2.2] * 3},
+              "goodput_stamp": {(8, 0): 0, (8, 1): 0, (8, 2): 0}, "goodput_round": 0,
+              "goodput_total": [6000.0, 10000.0]}
+    pol = GoodputLength(SpecConfig(draft_length="goodput", max_draft_tokens=2), Slots(8, "cpu"), memory)
+    pol.admit(0, 8)
+    pol.tested[:8], pol.accepted[:8] = 1000.0, 600.0  # a = 0.6: K=1 0.86 of K=0's tokens per second, K=2 0.89
+    cost = {0: 1.0, 1: 1.85, 2: 1.7}
+    runs = "".join(map(str, drive_goodput(pol, 8, cost, 0.6, 100, torch.Generator().manual_seed(0))))
+    assert runs.startswith("0" * 25 + "222")  # not K=1's "111"
+    assert runs[28:].count("2") >= 0.9 * len(runs[28:])
+
+
 def test_goodput_charges_the_admissions_speculation_brings_on():
     """Rows in step finish, and join, together; speculation puts them out of step, so each joins alone,
     paying a prefill call's fixed cost (and its draft prefill). Goodput charges a length for the

@@ -401,9 +401,9 @@ class GoodputLength(LengthPolicy):
         close = [k for k in ranked if tokens[k] / cost[k] >= self.retime_within * tokens[best] / cost[best]]
         # rows in step that share their admissions' fixed cost: a probe would put them out of step for good
         stay = best == 0 and self.admission["fixed"] > 0 and in_step
-        near = {best - 1, best + 1, 0, *ranked[1:2]}  # the neighbours and the runner-up
+        near = set() if stay else {best - 1, best + 1, 0, *ranked[1:2]}  # the neighbours and the runner-up
         for k in close:  # best first: the most promising stale one is re-timed first
-            if k in near and k != best and not stay and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
+            if k in near and k != best and (b, k) in self.stamp and now - self.stamp[(b, k)] > wait:
                 # as many fresh samples as make its median theirs, in one round more than that at most
                 self._probe = _Retiming(b, best, k, wanted=self.samples // 2 + 1, left=self.samples // 2 + 1)
                 return k

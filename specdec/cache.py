@@ -1,12 +1,13 @@
 """KV cache for ragged speculative batches.
 
-Static per-row buffers `[layers, rows, kv_heads, max_len, head_dim]`: the slot of a token is its
-position, so every row keeps its own length. A forward runs over a contiguous window of rows
+Static per-row buffers, one `[rows, kv_heads, max_len, head_dim]` pair per layer: the slot of a token
+is its position, so every row keeps its own length. A forward runs over a contiguous window of rows
 `[start, end)` with per-row positions `[rows, tokens]`; `update()` scatters the new keys/values at
 those positions and returns the window's buffers up to `kv_len`. Rolling back rejected draft tokens is
 lowering a row's length in the engine: stale slots are masked out and overwritten next round, nothing
 is recomputed. Rows leave by swap-remove (`move_row`), so the active rows stay `[0, n)` and the
-returned buffers stay views. The same fixed-shape buffers are what CUDA-graph capture needs later.
+returned buffers stay views. The buffers never move, which is what CUDA-graph capture needs (an engine
+keeps its caches across `generate()` calls, specdec/runner.py).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class RaggedKVCache(Cache):
         super().__init__(layers=[])
         layers, kv_heads, head_dim = model_kv_shape(model)
         p = next(model.parameters())
-        shape = (layers, rows, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        shape = (rows, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(layers)]
+        self.rows = rows
         self.max_len = max_len
         self.num_layers = layers
         self._start = 0
@@ -52,8 +54,8 @@ class RaggedKVCache(Cache):
     # -- transformers Cache API -----------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states: [n, kv_heads, t, head_dim]
-        kb = self.k[layer_idx, self._start : self._end]  # [n, kv_heads, max_len, head_dim] (view)
-        vb = self.v[layer_idx, self._start : self._end]
+        kb = self.k[layer_idx][self._start : self._end]  # [n, kv_heads, max_len, head_dim] (view)
+        vb = self.v[layer_idx][self._start : self._end]
         # advanced indices (rows, pos) around a slice put their dims first: [n, t, kv_heads, head_dim]
         kb[self._rows, :, self._pos] = key_states.transpose(1, 2).to(kb.dtype)
         vb[self._rows, :, self._pos] = value_states.transpose(1, 2).to(vb.dtype)
@@ -76,8 +78,11 @@ class RaggedKVCache(Cache):
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row src's first `length` slots into row dst (swap-remove compaction)."""
         if src != dst and length > 0:
-            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+            for buf in (*self.k, *self.v):
+                buf[dst, :, :length] = buf[src, :, :length]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -87,14 +92,15 @@ def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 
 def forward_hidden(model, cache: RaggedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                   start: int, end: int) -> torch.Tensor:
+                   start: int, end: int, kv_len: int) -> torch.Tensor:
     """Run the decoder body over rows [start, end) of `cache`; returns last hidden states [n, t, d].
 
-    Padding tokens (beyond a row's real input) get positions past its length; they write slots that
-    are masked now and overwritten before they are ever read. Positions are clamped into the buffer.
+    `kv_len` > every position (the caller knows the rows' lengths). Padding tokens (beyond a row's real
+    input) get positions past its length; they write slots that are masked now and overwritten before
+    they are ever read. Positions are clamped into the buffer.
     """
     positions = positions.clamp(max=cache.max_len - 1)
-    kv_len = int(positions.max()) + 1
+    kv_len = min(kv_len, cache.max_len)
     cache.prepare(start, end, positions, kv_len)
     out = model.get_decoder()(
         input_ids=input_ids,

@@ -15,6 +15,13 @@ the target's cache):
 The prompt's last token is the first pending token, so every emitted token comes from a round and
 `generated_tokens <= accepted_tokens + rounds` holds exactly; `method: none` is the same loop with
 k = 0 (one token per target call).
+
+The host keeps what it already knows (row lengths, draft lengths, the policy's K) and a round reads
+the device back once, at its end (`_Loop.verify`): no forward, draft step or policy waits on the GPU
+mid-round, except the draft steps of policies that stop rows on the draft's own outputs
+(`LengthPolicy.stops_early`). The models' KV caches belong to the engine and outlive `generate()`
+calls, so the CUDA graphs captured on them do too (specdec/runner.py); on a GPU their size comes from
+a memory plan (specdec/memory.py).
 """
 
 from __future__ import annotations
@@ -23,16 +30,18 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from . import sampling
-from .cache import RaggedKVCache, forward_hidden
+from . import memory, sampling
+from .cache import RaggedKVCache
 from .config import SampleResult, SamplingParams, SpecConfig, row_seed
 from .models import ModelPair
 from .policy import Slots, make_policy
 from .proposers.base import Draft, Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import PromptLookupProposer
+from .runner import ModelRunner, pow2_at_least
 from .verify import verify_greedy, verify_lossless
 from .widths import VerifyWidths
 
@@ -46,41 +55,65 @@ class _Row:
     t0: float
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without waiting for it: a pinned staging copy, sent asynchronously."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.clone()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Batch:
-    """The state of the active rows [0, n): token buffer, lengths, per-row records."""
+    """The state of the active rows [0, n): token buffer, lengths (on the host), per-row records."""
 
     def __init__(self, engine: "SpecEngine", capacity: int, max_len: int):
         self.engine = engine
+        self.device = engine.device
+        self.target = engine.runner("target", capacity, max_len)
         self.capacity = capacity
         self.max_len = max_len
-        self.device = engine.device
         self.vocab_size = engine.vocab_size
         self.sampling = engine.sampling
         self.spec = engine.spec
         self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
         self.slots = Slots(capacity, self.device)
-        self.seq_len = self.slots.add("seq_len")
+        self.lens = self.slots.add_host("seq_len")  # tokens per row (prompt + emitted), known on the host
         self.rows: list[_Row | None] = [None] * capacity
         self.n = 0
         self.u_draft = torch.empty((capacity, 0), device=self.device)
         self.policy = make_policy(self.spec, self.slots, engine.policy_memory)
-        self.target_cache = RaggedKVCache(engine.target, capacity, max_len)
         self.proposer = engine._make_proposer(self)
 
-    def prefill(self, model, cache: RaggedKVCache, start: int, end: int) -> torch.Tensor:
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
+
+    def write_rows(self, start: int, prompts: list[list[int]]) -> None:
+        """Rows [start, start + len(prompts)) hold these prompts (one copy to the device)."""
+        end, t = start + len(prompts), max(len(p) for p in prompts)
+        tokens = np.zeros((len(prompts), t), dtype=np.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        self.seq[start:end, :t] = self.to_device(tokens)
+        self.lens[start:end] = [len(p) for p in prompts]
+
+    def prefill(self, runner: ModelRunner, start: int, end: int) -> np.ndarray:
         """Cache all but the pending token of rows [start, end); returns their cached lengths."""
-        lengths = self.seq_len[start:end] - 1
+        lengths = self.lens[start:end] - 1
         t = int(lengths.max())
         if t > 0:
-            positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
-            forward_hidden(model, cache, self.seq[start:end, :t], positions, start, end)
+            runner.prefill(self.seq[start:end, :t], start, end)
         return lengths
 
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:
             return
-        length = int(self.seq_len[src])
-        self.target_cache.move_row(src, dst, length)
+        length = int(self.lens[src])
+        self.target.cache.move_row(src, dst, length)
         self.proposer.move_row(src, dst)
         self.seq[dst, :length] = self.seq[src, :length]
         self.slots.move(src, dst)
@@ -88,7 +121,13 @@ class Batch:
 
 
 class SpecEngine:
-    def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16):
+    """Generation over a model pair. `fast_path=False` runs every model through transformers' own modules
+    (no lean Llama forward, no CUDA graphs); `step_graphs` overrides where steps replay captured graphs
+    (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
+    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py)."""
+
+    def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
+                 fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if spec.method == "draft_model" and pair.draft is None:
@@ -99,7 +138,6 @@ class SpecEngine:
             raise ValueError("speculation.num_draft_tokens must be between 0 and max_draft_tokens")
         self.pair = pair
         self.target = pair.target
-        self.head = pair.target.get_output_embeddings()
         self.vocab_size = pair.vocab_size
         self.sampling = sampling_params
         self.spec = spec
@@ -109,6 +147,12 @@ class SpecEngine:
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
         self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
+        self.fast_path = fast_path
+        self.step_graphs = step_graphs
+        self.gpu_memory_fraction = gpu_memory_fraction
+        self._runners: dict[str, ModelRunner] = {}
+        self._plan = None  # the memory plan of the caches (GPU only)
+        self.plan_check()
         pad = spec.verify_padding and spec.method != "none"
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
         policy = make_policy(spec, Slots(1, "cpu"))  # refuse an unknown policy now, not mid-job
@@ -145,12 +189,13 @@ class SpecEngine:
         loop.admit(list(range(cap)))
         policy = batch.policy
 
-        def prefill(model, cache, rows: int) -> float:
+        def prefill(runner, rows: int) -> float:
             """Seconds to prefill rows [0, rows) again (their caches get what they hold), best of `samples`."""
             best = float("inf")
             for _ in range(samples):
                 t0 = time.perf_counter()
-                batch.prefill(model, cache, 0, rows)
+                batch.prefill(runner, 0, rows)
+                sync(dev)
                 best = min(best, time.perf_counter() - t0)
             return best
 
@@ -158,20 +203,22 @@ class SpecEngine:
         # row's draft prefill: what joining alone costs, which rows drifting apart under speculation do
         fixed = 0.0  # at one row every admission is alone, whatever the length
         if cap > 1:
-            fixed = max(0.0, 2 * prefill(self.target, batch.target_cache, 1) - prefill(self.target, batch.target_cache, 2))
-        draft = prefill(self.pair.draft, batch.proposer.cache, 1) if self.spec.method == "draft_model" else 0.0
+            fixed = max(0.0, 2 * prefill(batch.target, 1) - prefill(batch.target, 2))
+        draft = prefill(batch.proposer.runner, 1) if self.spec.method == "draft_model" else 0.0
         policy.record_admission(fixed, draft, self.sampling.max_new_tokens)
 
         def timed(n: int, k: int) -> tuple[int, float, float]:
             """One round of k drafts on rows [0, n): (k drafted, seconds drafting, seconds verifying)."""
             u = loop.uniforms(n)
+            sync(dev)
             t0 = time.perf_counter()
-            draft = batch.proposer.propose(n, torch.full((n,), k, device=dev)) if k else Draft.empty(n, dev)
-            k = int(draft.lengths.max()) if k else 0  # a host sync: the draft's work is done
+            draft = batch.proposer.propose(n, np.full(n, k)) if k else Draft.empty(n, dev)
+            k = draft.tokens.shape[1]
+            sync(dev)  # the draft's work is done
             t1 = time.perf_counter()
-            loop.verify(n, draft, draft.tokens.shape[1] + 1, u)
+            loop.verify(n, draft, k + 1, u)  # ends with the round's read-back
             t2 = time.perf_counter()
-            batch.seq_len[:n] = context
+            batch.lens[:n] = context
             batch.proposer.rewind(n)
             return k, t1 - t0, t2 - t1
 
@@ -202,9 +249,81 @@ class SpecEngine:
                 policy.record(n, j, rounds[j])
         return time.perf_counter() - t_start
 
+    def _models(self) -> dict[str, torch.nn.Module]:
+        models = {"target": self.target}
+        if self.spec.method == "draft_model":
+            models["draft"] = self.pair.draft
+        return models
+
+    def output_head(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output head of a model, the draft's cut to `draft_vocab` rows (SpecConfig.draft_vocab)."""
+        head = self._models()[name].get_output_embeddings()
+        rows = head.weight.shape[0] if name == "target" else min(self.spec.draft_vocab or self.vocab_size,
+                                                                  self.vocab_size)
+        bias = getattr(head, "bias", None)
+        return head.weight[:rows], bias[:rows] if bias is not None else None
+
+    def plan_check(self) -> None:
+        """Refuse now what could never run: one row of max_new_tokens (and a one-token prompt) must fit."""
+        need = 1 + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+        p = memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, 1,
+                        self.spec.max_draft_tokens + 1, self.vocab_size)
+        if p is not None:
+            p.rows(need, 1)
+
+    def runner(self, name: str, rows: int, max_len: int) -> ModelRunner:
+        """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots. The caches
+        grow (all models' together, their graphs dropped) and never shrink: a job's worker ends up
+        with one size and reuses its captured steps from shard to shard."""
+        have = self._runners.get(name)
+        if have is None or have.cache.rows < rows or have.cache.max_len < max_len:
+            self._allocate(rows, max_len)
+        return self._runners[name]
+
+    def _allocate(self, rows: int, max_len: int) -> None:
+        old = next(iter(self._runners.values()), None)
+        if old is not None:
+            rows, max_len = max(rows, old.cache.rows), max(max_len, old.cache.max_len)
+        freed = sum(r.cache.nbytes() for r in self._runners.values())
+        self._runners.clear()
+        models = self._models()
+        # room to grow: a power of two of slots (within the models' positions, plus the draft's slack), and one
+        # more, so that no attention window (a power of two, specdec/runner.py) spans the whole buffer
+        max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_draft_tokens + 2)) + 1
+        self._plan = memory.plan(self.device, list(models.values()), self.gpu_memory_fraction, rows,
+                                 self.spec.max_draft_tokens + 1, self.vocab_size, freed)
+        for name, model in models.items():
+            cache = RaggedKVCache(model, rows, max_len)
+            self._runners[name] = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path,
+                                              graphs=self.step_graphs)
+
+    def fit(self, longest: int) -> int:
+        """Rows the batch may have for prompts of up to `longest` tokens (a GPU's memory plan may allow
+        fewer than batch_size)."""
+        if self.device.type != "cuda":
+            return self.batch_size
+        need = longest + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+        have = next(iter(self._runners.values()), None)
+        if have is not None and have.cache.rows >= self.batch_size and have.cache.max_len >= need:
+            return self.batch_size
+        freed = sum(r.cache.nbytes() for r in self._runners.values())
+        p = memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, self.batch_size,
+                        self.spec.max_draft_tokens + 1, self.vocab_size, freed)
+        return p.rows(need, self.batch_size)
+
+    @property
+    def step_path(self) -> str:
+        """How the target's steps run: 'graphs', 'lean' or 'generic' (specdec/runner.py)."""
+        runner = self._runners.get("target")
+        if runner is not None:
+            return runner.path
+        from . import llama
+        lean = self.fast_path and llama.unsupported(self.target) is None
+        return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
+
     def _make_proposer(self, batch: Batch) -> Proposer:
         if self.spec.method == "draft_model":
-            return DraftModelProposer(batch, self.pair.draft)
+            return DraftModelProposer(batch, self.runner("draft", batch.capacity, batch.max_len))
         if self.spec.method == "prompt_lookup":
             return PromptLookupProposer(batch)
         return Proposer(batch)  # method none: never drafts (limits are 0)
@@ -238,8 +357,9 @@ class SpecEngine:
         if todo:
             # longest first: similar lengths run together and the long tail does not trail at the end
             todo.sort(key=lambda i: -len(prompts[i]))
-            max_len = len(prompts[todo[0]]) + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
-            batch = Batch(self, min(self.batch_size, len(todo)), max_len)
+            longest = len(prompts[todo[0]])
+            max_len = longest + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+            batch = Batch(self, min(self.fit(longest), len(todo)), max_len)
             _Loop(self, batch, prompts, keys, results).run(deque(todo))
         return results  # type: ignore[return-value]
 
@@ -268,36 +388,36 @@ class _Loop:
         b = self.b
         start, end = b.n, b.n + len(indices)
         now = time.perf_counter()
+        b.write_rows(start, [self.prompts[i] for i in indices])
         for slot, i in zip(range(start, end), indices):
             p = self.prompts[i]
-            b.seq[slot, : len(p)] = torch.tensor(p, dtype=torch.int64)
-            b.seq_len[slot] = len(p)
             gen = None
             if self.random:
                 gen = torch.Generator().manual_seed(row_seed(self.e.sampling.seed, self.keys[i]))
             b.rows[slot] = _Row(i, SampleResult(key=self.keys[i], prompt_tokens=len(p)), list(p), gen, now)
-        b.prefill(self.e.target, b.target_cache, start, end)
+        b.prefill(b.target, start, end)
         b.proposer.admit(start, end)
         b.policy.admit(start, end)
         b.n = end
 
     def step(self) -> None:
         b = self.b
-        n, dev, m = b.n, b.device, self.m
+        n, m = b.n, self.m
         rows = b.rows[:n]
-        remaining = torch.tensor([self.max_new - r.result.generated_tokens for r in rows], device=dev)
         if m:
-            limits = torch.minimum(b.policy.limits(n).clamp(0, m), remaining - 1)
+            room = np.array([self.max_new - r.result.generated_tokens - 1 for r in rows], dtype=np.int64)
+            limits = np.minimum(np.clip(b.policy.limits(n), 0, m), room)
         else:
-            limits = torch.zeros(n, dtype=torch.int64, device=dev)
-        draft, accepted, (acc_l, new_l, len_l), trial = self.round(n, limits)
+            limits = np.zeros(n, dtype=np.int64)
+        draft, (acc_l, new_l, len_l), trial = self.round(n, limits)
         if trial:
             b.policy.untimed()  # a trial of a verify width: no sample of what its length costs
-        b.policy.observe(n, draft.lengths, accepted)  # after the host sync: a GPU's round is complete
+        b.policy.observe(n, len_l, acc_l)  # after the read-back: a GPU's round is complete
         finished = []
         for i, row in enumerate(rows):
             res = row.result
-            emitted = new_l[i][: acc_l[i] + 1]
+            a = int(acc_l[i])
+            emitted = new_l[i][: a + 1]
             cut = len(emitted)
             for j, t in enumerate(emitted):
                 if t in self.e.stop_ids:
@@ -314,24 +434,25 @@ class _Loop:
             row.tokens.extend(emitted)
             res.rounds += 1
             res.draft_forwards += draft.forwards
-            res.draft_lengths.append(len_l[i])
-            res.accept_lengths.append(min(acc_l[i], cut))
+            res.draft_lengths.append(int(len_l[i]))
+            res.accept_lengths.append(min(a, cut))
             if res.finish_reason == "stop" or res.generated_tokens >= self.max_new:
                 finished.append(i)
         for i in reversed(finished):  # descending: the last active row is never a finished one
             self.retire(i)
 
-    def round(self, n: int, limits: torch.Tensor):
-        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n); the
-        last of what it returns says whether verification ran at a width only to time it."""
+    def round(self, n: int, limits: np.ndarray):
+        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n). Returns
+        the draft, the round's host read-back (accepted, tokens, draft lengths) and whether verification
+        ran at a width only to time it."""
         u = self.uniforms(n)
         draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
         k = draft.tokens.shape[1]
         widths = self.e.widths
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # choose() explores it
         width = widths.choose(n, k + 1) if widths else k + 1  # >= k+1: a cheaper shape, if measured
-        accepted, host = self.verify(n, draft, width, u)
-        return draft, accepted, host, trial
+        host = self.verify(n, draft, width, u)
+        return draft, host, trial
 
     def uniforms(self, n: int) -> torch.Tensor | None:
         """This round's uniforms of rows [0, n) (None when greedy): the draft's first m, the verdict's m + 1.
@@ -344,20 +465,21 @@ class _Loop:
 
     def verify(self, n: int, draft: Draft, width: int, u: torch.Tensor | None):
         """One target forward over [pending, x_1..x_k] (padded with junk to `width` >= k + 1), the
-        verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's one host
-        transfer; returns accepted [n] and host copies of accepted, of the round's tokens x_1..x_a, y per
-        row (stale past a + 1) and of the draft lengths."""
+        verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's one read-back
+        of the device; returns host arrays of accepted [n], of the round's tokens x_1..x_a, y per row
+        (as lists; stale past a + 1) and of the draft lengths [n]."""
         b, e = self.b, self.e
         dev, m, k = b.device, self.m, draft.tokens.shape[1]
         t_verify = time.perf_counter()
-        seq_len = b.seq_len[:n].clone()
+        lens = b.lens[:n].copy()
+        seq_len = b.to_device(lens)
         ar = torch.arange(n, device=dev)
         pending = b.seq[ar, seq_len - 1]
         tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
         tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
         positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
-        hidden = forward_hidden(e.target, b.target_cache, tokens_in, positions, 0, n)
-        logits = e.head(hidden)[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
+        logits, _ = b.target.step(tokens_in, positions, int(lens.max()) - 1 + width)
+        logits = logits[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
         if u is not None:
             p = sampling.probs(logits, e.sampling)
             verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
@@ -369,13 +491,14 @@ class _Loop:
         new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
         write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
         b.seq[:n].scatter_(1, write_pos, new)
-        b.seq_len[:n] = seq_len + accepted + 1
-        b.proposer.commit(n, seq_len, accepted)
 
-        host = accepted.tolist(), new.tolist(), draft.lengths.tolist()  # the round's one host transfer
+        out = torch.cat([accepted[:, None], draft.lengths[:, None], new], dim=1).cpu().numpy()  # the read-back
+        accepted_h, lengths_h = out[:, 0], out[:, 1]
+        b.lens[:n] = lens + accepted_h + 1
+        b.proposer.commit(n, lens, accepted_h)
         if e.widths:
             e.widths.observe(n, width, time.perf_counter() - t_verify)
-        return accepted, host
+        return accepted_h, out[:, 2:].tolist(), lengths_h
 
     def retire(self, slot: int) -> None:
         b = self.b

@@ -1,9 +1,12 @@
 """Draft-length policies: how many tokens each row drafts this round.
 
-A policy is asked three things by the engine, all per row and as tensors:
-- `limits(n)`: the most tokens each active row may draft this round (0 = no speculation for it);
-- `keep(step, token_prob, hidden)`: after draft step `step`, which rows go on drafting (None = all);
-- `observe(drafted, accepted)`: what happened, to adapt;
+A policy is asked these things by the engine:
+- `limits(n)`: the most tokens each active row may draft this round (0 = no speculation for it), on
+  the host: one int for every row (the common case), or an array per row;
+- `keep(step, token_prob, hidden)`: after draft step `step`, which rows go on drafting (None = all),
+  on the device; only policies with `stops_early` are asked, and only they cost the round a host sync
+  per draft step (whether any row still drafts);
+- `observe(drafted, accepted)`: what happened (host arrays, from the round's one read-back), to adapt;
 - `retire(slot)`: a row finished.
 The engine also sets `waiting`: how many prompts wait for a free slot (none: no admission follows).
 Per-row state lives in `Slots` tensors, which follow rows when finished rows are compacted away.
@@ -16,6 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import SpecConfig
@@ -23,28 +27,36 @@ from .widths import VerifyWidths
 
 
 class Slots:
-    """Per-row tensors `[capacity, ...]`; `move(src, dst)` keeps them aligned with swap-remove."""
+    """Per-row state `[capacity, ...]`, on the device (`add`) or on the host (`add_host`: what the host
+    learns from each round's one read-back); `move(src, dst)` keeps both aligned with swap-remove."""
 
     def __init__(self, capacity: int, device):
         self.capacity = capacity
         self.device = device
         self._tensors: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}
 
     def add(self, name: str, dtype=torch.int64, fill=0, trailing: tuple[int, ...] = ()) -> torch.Tensor:
         t = torch.full((self.capacity, *trailing), fill, dtype=dtype, device=self.device)
         self._tensors[name] = t
         return t
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+    def add_host(self, name: str, dtype=np.int64, fill=0) -> np.ndarray:
+        a = np.full(self.capacity, fill, dtype=dtype)
+        self._arrays[name] = a
+        return a
+
+    def __getitem__(self, name: str):
+        return self._tensors[name] if name in self._tensors else self._arrays[name]
 
     def move(self, src: int, dst: int) -> None:
         if src != dst:
-            for t in self._tensors.values():
+            for t in (*self._tensors.values(), *self._arrays.values()):
                 t[dst] = t[src]
 
 
 class LengthPolicy:
+    stops_early = False  # keep() may stop rows before their limit (data-dependent: a host sync per step)
     uses_draft_probs = False  # keep() reads the draft's probability of its token
     keep_after_feed = False  # keep() reads the draft's hidden state after the drafted token was fed
     profiles = False  # plans from round times: the engine times every length at start-up (record())
@@ -58,7 +70,7 @@ class LengthPolicy:
     def admit(self, start: int, end: int) -> None:
         """Rows [start, end) are new."""
 
-    def limits(self, n: int) -> torch.Tensor:
+    def limits(self, n: int) -> int | np.ndarray:
         raise NotImplementedError
 
     def drafts_soon(self, n: int) -> bool:
@@ -68,7 +80,7 @@ class LengthPolicy:
     def keep(self, step: int, token_prob: torch.Tensor | None, hidden: torch.Tensor | None) -> torch.Tensor | None:
         return None
 
-    def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, n: int, drafted: np.ndarray, accepted: np.ndarray) -> None:
         pass
 
     def untimed(self) -> None:
@@ -94,8 +106,8 @@ class LengthPolicy:
 class FixedLength(LengthPolicy):
     """`num_draft_tokens` every round."""
 
-    def limits(self, n: int) -> torch.Tensor:
-        return torch.full((n,), self.spec.num_draft_tokens, dtype=torch.int64, device=self.slots.device)
+    def limits(self, n: int) -> int:
+        return self.spec.num_draft_tokens
 
 
 class HeuristicLength(LengthPolicy):
@@ -103,18 +115,18 @@ class HeuristicLength(LengthPolicy):
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         super().__init__(spec, slots, memory)
-        self.k = slots.add("heuristic_k", fill=spec.num_draft_tokens)
+        self.k = slots.add_host("heuristic_k", fill=spec.num_draft_tokens)
 
     def admit(self, start: int, end: int) -> None:
         self.k[start:end] = self.spec.num_draft_tokens
 
-    def limits(self, n: int) -> torch.Tensor:
-        return self.k[:n].clone()
+    def limits(self, n: int) -> np.ndarray:
+        return self.k[:n].copy()
 
-    def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, n: int, drafted: np.ndarray, accepted: np.ndarray) -> None:
         k = self.k[:n]
-        full = (accepted >= drafted) & (drafted > 0)
-        k.copy_(torch.where(full, k + 2, (k - 1).clamp_min(1)).clamp_max(self.spec.max_draft_tokens))
+        full = (np.asarray(accepted) >= drafted) & (np.asarray(drafted) > 0)
+        k[:] = np.minimum(np.where(full, k + 2, np.maximum(k - 1, 1)), self.spec.max_draft_tokens)
 
 
 class ConfidenceLength(LengthPolicy):
@@ -122,9 +134,10 @@ class ConfidenceLength(LengthPolicy):
     below `confidence_threshold` (that token is still proposed)."""
 
     uses_draft_probs = True
+    stops_early = True
 
-    def limits(self, n: int) -> torch.Tensor:
-        return torch.full((n,), self.spec.max_draft_tokens, dtype=torch.int64, device=self.slots.device)
+    def limits(self, n: int) -> int:
+        return self.spec.max_draft_tokens
 
     def keep(self, step, token_prob, hidden):
         return token_prob >= self.spec.confidence_threshold
@@ -238,8 +251,8 @@ class GoodputLength(LengthPolicy):
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         super().__init__(spec, slots, memory)
-        self.tested = slots.add("goodput_tested", dtype=torch.float64)
-        self.accepted = slots.add("goodput_accepted", dtype=torch.float64)
+        self.tested = slots.add_host("goodput_tested", dtype=np.float64)
+        self.accepted = slots.add_host("goodput_accepted", dtype=np.float64)
         # accepted, tested over every row so far, from a prior of `prior_tokens` tested tokens at 0.5
         self.total = self.memory.setdefault("goodput_total", [0.5 * self.prior_tokens, float(self.prior_tokens)])
         self.times: dict[tuple[int, int], list[float]] = self.memory.setdefault("goodput_times", {})
@@ -254,7 +267,7 @@ class GoodputLength(LengthPolicy):
         self.admission = self.memory.setdefault("goodput_admission", {"fixed": 0.0, "draft": 0.0, "row_tokens": 0})
         self.groups: dict[bool, list[int]] = self.memory.setdefault("goodput_groups", {False: [], True: []})
         self.lengths: list[float] = self.memory.setdefault("goodput_lengths", [])
-        self.emitted = slots.add("goodput_emitted", dtype=torch.float64)
+        self.emitted = slots.add_host("goodput_emitted", dtype=np.float64)
         self._round: float | None = None  # when the round being run started
         self._probe: _Retiming | None = None
         self._last: int | None = None  # the length the last round ran
@@ -274,7 +287,7 @@ class GoodputLength(LengthPolicy):
     def in_step(self, n: int) -> bool:
         """Have rows [0, n) (n > 1) all emitted as many tokens, so that plain rounds finish them together?"""
         e = self.emitted[:n]
-        return n > 1 and bool((e == e[0]).all())
+        return n > 1 and bool((e == e[0]).all())  # host state: no sync
 
     def joining(self, n: int, in_step: bool) -> tuple[float, float]:
         """Seconds of admission that each token emitted by rows [0, n) brings on beyond its row's own
@@ -299,12 +312,12 @@ class GoodputLength(LengthPolicy):
             rate = self.total[0] / self.total[1]
             w = self.weight(n)
             seen = self.tested[:n] + w
-            a = ((self.accepted[:n] + w * rate) / seen).clamp(0.0, 0.999)[:, None]  # [n, 1]
-            k = torch.arange(top + 1, device=a.device, dtype=a.dtype)[None, :]
+            a = np.clip((self.accepted[:n] + w * rate) / seen, 0.0, 0.999)[:, None]  # [n, 1]
+            k = np.arange(top + 1, dtype=np.float64)[None, :]
             mean = (1 - a ** (k + 1)) / (1 - a)  # [n, top+1]
-            slope = torch.cumsum(k * a ** (k - 1).clamp_min(0), dim=1)  # d mean / d a = sum_j<=K j a^(j-1)
-            sd = slope * (a * (1 - a) / (seen[:, None] + 1)).sqrt()  # of the Beta posterior of a, carried
-            self._expected = (n, mean.sum(0).tolist(), sd.pow(2).sum(0).sqrt().tolist())
+            slope = np.cumsum(k * a ** np.maximum(k - 1, 0), axis=1)  # d mean / d a = sum_j<=K j a^(j-1)
+            sd = slope * np.sqrt(a * (1 - a) / (seen[:, None] + 1))  # of the Beta posterior of a, carried
+            self._expected = (n, mean.sum(0).tolist(), np.sqrt((sd ** 2).sum(0)).tolist())
         _, mean, sd = self._expected
         return [m + optimism * s for m, s in zip(mean, sd)]
 
@@ -415,10 +428,10 @@ class GoodputLength(LengthPolicy):
             self.choose(n)  # timed (by the start-up profile) but not run yet: what would it pick?
         return self.best.get(b) != 0  # speculation is off at this size: rows join unprefilled
 
-    def limits(self, n: int) -> torch.Tensor:
+    def limits(self, n: int) -> int:
         k = self.choose(n)
         self._round = time.perf_counter()
-        return torch.full((n,), k, dtype=torch.int64, device=self.slots.device)
+        return k
 
     def _keep(self, store, key, sample, last: int | None = None) -> None:
         """Append `sample` to store[key] (to the list `store` itself if key is None), keeping the last
@@ -458,7 +471,8 @@ class GoodputLength(LengthPolicy):
         tokens = [(1 - a ** (j + 1)) / (1 - a) for j in range(k + 1)]
         return tokens[k] / floor > max(tokens[j] / t for j, t in rounds.items())
 
-    def observe(self, n: int, drafted: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, n: int, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        drafted, accepted = np.asarray(drafted), np.asarray(accepted)
         k = int(drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
         # the first drafting round after plain ones is not a sample of its length: the draft first catches
         # up on every token the plain rounds emitted (traced: such rounds took 110-130 ms where that
@@ -469,12 +483,12 @@ class GoodputLength(LengthPolicy):
                 self._probe.wanted -= 1
         self._round, self._last = None, k
         self.memory["goodput_round"] += 1
-        self.emitted[:n] += accepted.to(torch.float64) + 1
+        self.emitted[:n] += accepted + 1
         if k == 0:
             return  # a plain round tests nothing: the rates stand
         self._expected = None
-        a = accepted.to(torch.float64)
-        tested = a + (accepted < drafted).to(torch.float64)  # the first rejected token was tested too
+        a = accepted.astype(np.float64)
+        tested = a + (accepted < drafted)  # the first rejected token was tested too
         self.accepted[:n] += a
         self.tested[:n] += tested
         self.total[0] += float(a.sum())
@@ -487,6 +501,7 @@ class AcceptanceHeadLength(LengthPolicy):
     (after x_i was fed, or the state that drew x_i plus q(x_i): whichever the head was trained on)."""
 
     min_tokens = 2
+    stops_early = True
 
     def __init__(self, spec: SpecConfig, slots: Slots, memory: dict | None = None):
         super().__init__(spec, slots, memory)
@@ -503,9 +518,9 @@ class AcceptanceHeadLength(LengthPolicy):
         self.uses_draft_probs = self.proposing
         self.survive: torch.Tensor | None = None
 
-    def limits(self, n: int) -> torch.Tensor:
+    def limits(self, n: int) -> int:
         self.survive = torch.ones(n, device=self.slots.device)
-        return torch.full((n,), self.spec.max_draft_tokens, dtype=torch.int64, device=self.slots.device)
+        return self.spec.max_draft_tokens
 
     def keep(self, step, token_prob, hidden):
         x = self.head.features(hidden, token_prob)

@@ -44,4 +44,7 @@ def uniforms(generators: list[torch.Generator], count: int, device) -> torch.Ten
     """[rows, count] uniforms, each row from its own generator (fixed count per row and round)."""
     if count == 0 or not generators:
         return torch.empty((len(generators), count), device=device)
-    return torch.stack([torch.rand(count, generator=g) for g in generators]).to(device)
+    u = torch.stack([torch.rand(count, generator=g) for g in generators])
+    if torch.device(device).type == "cuda":  # a pinned copy: the host does not wait for the device
+        return u.pin_memory().to(device, non_blocking=True)
+    return u

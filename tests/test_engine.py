@@ -192,7 +192,7 @@ def drive_goodput(pol, n, cost, rate, rounds, gen):
     chosen = []
     with mock.patch.object(policy_mod.time, "perf_counter", lambda: clock[0]):
         for _ in range(rounds):
-            k = int(pol.limits(n)[0])
+            k = int(pol.limits(n))
             clock[0] += cost[k]
             passes = torch.rand((n, max(k, 1)), generator=gen) < rate
             accepted = torch.cumprod(passes.long(), dim=1)[:, :k].sum(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -31,14 +32,16 @@ class Proposer:
     def admit(self, start: int, end: int) -> None:
         """Rows [start, end) joined the batch (their prompts are in batch.seq)."""
 
-    def propose(self, n: int, limits: torch.Tensor) -> Draft:
+    def propose(self, n: int, limits: np.ndarray) -> Draft:
+        """Draft up to limits[i] tokens for row i of [0, n) (a host array)."""
         raise NotImplementedError
 
-    def commit(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`."""
+    def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
+        """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`
+        (host arrays, from the round's read-back)."""
 
     def rewind(self, n: int) -> None:
-        """Rows [0, n) were cut back to `batch.seq_len`: forget what lies past it (start-up profile)."""
+        """Rows [0, n) were cut back to `batch.lens`: forget what lies past it (start-up profile)."""
 
     def move_row(self, src: int, dst: int) -> None:
         """Row src now lives at dst (swap-remove of a finished row)."""

@@ -27,7 +27,7 @@ def lookup(seq: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]
 class PromptLookupProposer(Proposer):
     deterministic = True
 
-    def propose(self, n: int, limits: torch.Tensor) -> Draft:
+    def propose(self, n: int, limits: np.ndarray) -> Draft:
         b = self.batch
         spec = b.spec
         drafts = []
@@ -36,8 +36,9 @@ class PromptLookupProposer(Proposer):
             drafts.append(lookup(seq, limit, spec.prompt_lookup_max_ngram, spec.prompt_lookup_min_ngram)
                           if limit > 0 else [])
         k = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros((n, k), dtype=torch.int64)
+        host = np.zeros((n, k + 1), dtype=np.int64)  # the lengths, then the tokens: one copy to the device
         for i, d in enumerate(drafts):
-            tokens[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
-        return Draft(tokens.to(b.device), lengths.to(b.device), None, 0)
+            host[i, 0] = len(d)
+            host[i, 1 : 1 + len(d)] = d
+        both = b.to_device(host)
+        return Draft(both[:, 1:], both[:, 0], None, 0)

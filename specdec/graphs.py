@@ -1,0 +1,89 @@
+"""CUDA graphs for the steps whose shapes repeat, and the compiled decoder layer.
+
+A decoding step of a small model on a GPU is launch-bound: transformers' eager modules spend about
+1 ms per layer in Python and kernel launches whatever the model's size. `StepGraphs` records a step
+once per key (its shapes) and replays it after that: one launch for the whole forward. Inputs are
+copied into the graph's own buffers, outputs are the graph's own tensors (valid until the same key
+runs again). All graphs share one memory pool: they never run at the same time. On a CPU the same
+object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
+buffer and padding logic where no GPU is.
+
+`compiled_layer()` is the lean decoder layer (specdec/llama.py) through `torch.compile`, which fuses
+its elementwise work (norms, RoPE, activations) into a few kernels; every layer of every Llama-family
+model in the process shares it. Its shapes are symbolic: it compiles four times per process (one row
+or more, one token or more: PyTorch specializes sizes 0 and 1), not per batch size, width or cache
+length. Two things keep it at four: sizes are not "duck-shaped" (a width that happened to equal the
+number of KV heads would otherwise be guarded as equal), and an attention window never spans the
+whole cache buffer (the engine allocates one slot more than any bucket). On CPU the compiled layer
+is slower than eager (SmolLM2-135M, bf16, 2 cores: 38 vs 33 ms at batch 1, 114 vs 44 ms at batch 8)
+and takes minutes to compile, so only GPUs use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_layer() -> Callable:
+    from .llama import layer_forward
+
+    if "layer" not in _COMPILED:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
+        _COMPILED["layer"] = torch.compile(layer_forward, dynamic=True, fullgraph=True)
+    return _COMPILED["layer"]
+
+
+class StepGraphs:
+    """Captured steps keyed by the caller's key (which must fix every shape the step sees)."""
+
+    warmup = 2  # eager runs before capture: compilation, cuBLAS handles and workspaces
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
+
+    def run(self, key: tuple, fn: Callable, rows: int, *inputs: torch.Tensor):
+        """fn(*static) through the graph captured for `key` (captured now if new), where the static inputs
+        have `rows` rows and `inputs` fill their first rows; the rest keep what they held (the caller's
+        junk rows: their results are to be ignored)."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(fn, rows, inputs)
+        graph, static, out = entry
+        for buf, x in zip(static, inputs):
+            buf[: x.shape[0]].copy_(x)
+        if graph is None:
+            return fn(*static)
+        graph.replay()
+        return out
+
+    def _capture(self, fn: Callable, rows: int, inputs: tuple[torch.Tensor, ...]):
+        static = [x.new_zeros((rows, *x.shape[1:])) for x in inputs]
+        for buf, x in zip(static, inputs):
+            buf[: x.shape[0]].copy_(x)
+        if not self.capture:
+            return None, static, None
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(*static)
+        return graph, static, out
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def __len__(self) -> int:
+        return len(self.graphs)

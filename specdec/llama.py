@@ -1,0 +1,228 @@
+"""A lean forward for Llama-family decoders (Llama, Mistral, Qwen2, SmolLM) over the ragged KV cache.
+
+The same arithmetic as transformers' modules (RMSNorm in float32, rotate-half RoPE, SDPA attention),
+written as one function of plain tensors with static shapes: no Python branches on data, no host
+reads, no allocation that depends on values. That is what lets a step be compiled whole
+(`torch.compile(fullgraph=True)`) and captured as a CUDA graph (specdec/graphs.py).
+
+Weights are the transformers model's own: q/k/v and gate/up are concatenated once into fused
+matrices, and the model's parameters become views into them, so nothing is held twice and the
+generic path keeps working on the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, d]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    ln2: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, d]
+    down: torch.Tensor
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor
+    layers: list[Layer]
+    norm: torch.Tensor
+    cos: torch.Tensor  # [max_positions, head_dim], RoPE tables in the model dtype
+    sin: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def unsupported(model, max_len: int | None = None) -> str | None:
+    """Why `model` cannot run the lean forward (None if it can)."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} is not one of {FAMILIES}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r}"
+    if getattr(cfg, "mlp_bias", False) or (kind != "qwen2" and getattr(cfg, "attention_bias", False)):
+        return "biased projections"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", kind == "mistral") and (max_len is None or window < max_len):
+        return f"sliding-window attention ({window})"
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None or "dynamic" in str(getattr(rotary, "rope_type", "default")):
+        return "rotary embedding that changes with the sequence length"
+    layer = model.get_decoder().layers[0]
+    if not all(hasattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
+            not all(hasattr(layer.mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+        return "unexpected module layout"
+    return None
+
+
+def _fuse(linears: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor | None:
+    """One matrix holding the linears' weights (or biases) stacked; the linears' own become views."""
+    parts = [getattr(m, attr) for m in linears]
+    if any(p is None for p in parts):
+        return None
+    fused = torch.cat([p.data for p in parts], dim=0)
+    row = 0
+    for m, p in zip(linears, parts):
+        p.data = fused[row : row + p.shape[0]]
+        row += p.shape[0]
+    return fused
+
+
+def load_weights(model) -> LlamaWeights:
+    """The model's weights for `forward` (fused once per model; later calls return the same)."""
+    cached = getattr(model, "_specbatch_lean", None)
+    if cached is not None:
+        return cached
+    reason = unsupported(model)
+    if reason:
+        raise ValueError(f"no lean forward for this model: {reason}")
+    dec = model.get_decoder()
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = []
+    for layer in dec.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(Layer(
+            ln1=layer.input_layernorm.weight,
+            qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]),
+            qkv_bias=_fuse([a.q_proj, a.k_proj, a.v_proj], "bias"),
+            o=a.o_proj.weight,
+            ln2=layer.post_attention_layernorm.weight,
+            gate_up=_fuse([m.gate_proj, m.up_proj]),
+            down=m.down_proj.weight,
+        ))
+    rotary = dec.rotary_emb
+    dtype, device = dec.embed_tokens.weight.dtype, dec.embed_tokens.weight.device
+    positions = getattr(cfg, "max_position_embeddings", 4096)
+    # the same float32 arithmetic as transformers' rotary module, done once for every position
+    freqs = torch.arange(positions, device=device)[:, None].float() * rotary.inv_freq.to(device, torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    weights = LlamaWeights(
+        embed=dec.embed_tokens.weight, layers=layers, norm=dec.norm.weight,
+        cos=(emb.cos() * scale).to(dtype), sin=(emb.sin() * scale).to(dtype),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=dec.norm.variance_epsilon,
+    )
+    model._specbatch_lean = weights
+    return weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention_in(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                  kv_heads: int, head_dim: int, eps: float):
+    """Norm, fused q/k/v projection and RoPE: q [n, heads, t, hd], k and v [n, t, kv_heads, hd]."""
+    n, t, _ = x.shape
+    nh, nk, hd = heads, kv_heads, head_dim
+    h = rms_norm(x, layer.ln1, eps)
+    q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([nh * hd, nk * hd, nk * hd], dim=-1)
+    q = q.view(n, t, nh, hd).transpose(1, 2)
+    k = k.view(n, t, nk, hd).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k.transpose(1, 2), v.view(n, t, nk, hd)
+
+
+def _attention_out(x: torch.Tensor, layer: Layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """Attention of q [n, heads, t, hd] over keys/values [n, kv_heads, s, hd] under mask [n, 1, group * t, s]
+    (each kv head's group of query heads stacked along t: no repeated cache), o_proj, and the MLP."""
+    n, nh, t, hd = q.shape
+    nk = keys.shape[1]
+    qg = q.reshape(n, nk, (nh // nk) * t, hd)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=hd ** -0.5)
+    o = o.reshape(n, nh, t, hd).transpose(1, 2).reshape(n, t, nh * hd)
+    x = x + F.linear(o, layer.o)
+    h = rms_norm(x, layer.ln2, eps)
+    gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, layer.down)
+
+
+def layer_forward(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                  heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """One decoder layer over cache rows [0, n): x [n, t, d] -> [n, t, d]. Writes the rows' keys and values
+    at their positions in kc, vc ([rows, kv_heads, max_len, head_dim]) and attends over the first
+    kv_len = mask.shape[-1] slots of each row."""
+    n, t, _ = x.shape
+    q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
+    rows = torch.arange(n, device=x.device)[:, None]
+    kc[rows, :, positions] = k.to(kc.dtype)  # [n, t, kv_heads, hd] at (row, slot)
+    vc[rows, :, positions] = v.to(vc.dtype)
+    kv_len = mask.shape[-1]
+    return _attention_out(x, layer, q, kc[:n, :, :kv_len], vc[:n, :, :kv_len], mask, eps)
+
+
+def layer_prefill(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, row_ids: torch.Tensor,
+                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                  heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """One decoder layer over fresh rows (their tokens from position 0): writes their keys and values into
+    cache rows `row_ids` [n] and attends causally within the forward's own tokens (nothing to read back)."""
+    q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
+    kc[row_ids[:, None], :, positions] = k.to(kc.dtype)
+    vc[row_ids[:, None], :, positions] = v.to(vc.dtype)
+    return _attention_out(x, layer, q, k.transpose(1, 2), v.transpose(1, 2), mask, eps)
+
+
+def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
+    """cos, sin [n, 1, t, hd] at the positions, and the mask [n, 1, group * t, kv_len]: a query at position
+    p sees slots 0..p of its own row."""
+    cos = w.cos[positions][:, None]
+    sin = w.sin[positions][:, None]
+    slots = torch.arange(kv_len, device=positions.device)
+    mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
+    return cos, sin, mask.repeat(1, 1, w.heads // w.kv_heads, 1)
+
+
+def forward(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens: torch.Tensor,
+            positions: torch.Tensor, kv_len: int, layer_fn=layer_forward) -> torch.Tensor:
+    """Hidden states [n, t, d] after the final norm, for cache rows [0, n).
+
+    k_cache, v_cache: per layer [rows >= n, kv_heads, max_len, head_dim]; token j of row i is written at
+    slot positions[i, j] (clamped into the buffer) and attends to slots 0..positions[i, j] of its row,
+    among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn` runs each layer
+    (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
+    function serves them all).
+    """
+    positions = positions.clamp(max=k_cache[0].shape[2] - 1)
+    cos, sin, mask = _rope_and_mask(w, positions, kv_len)
+    x = w.embed[tokens]
+    for layer, kc, vc in zip(w.layers, k_cache, v_cache):
+        x = layer_fn(x, layer, kc, vc, positions, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
+    return rms_norm(x, w.norm, w.eps)
+
+
+def prefill(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens: torch.Tensor,
+            row_ids: torch.Tensor, layer_fn=layer_prefill) -> torch.Tensor:
+    """Fill cache rows `row_ids` [n] with tokens [n, t] at positions 0..t-1 (right padding past a row's
+    length writes slots that are masked until overwritten); returns the hidden states [n, t, d]."""
+    n, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device)[None, :].expand(n, t)
+    cos, sin, mask = _rope_and_mask(w, positions, t)
+    x = w.embed[tokens]
+    for layer, kc, vc in zip(w.layers, k_cache, v_cache):
+        x = layer_fn(x, layer, kc, vc, row_ids, positions, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
+    return rms_norm(x, w.norm, w.eps)

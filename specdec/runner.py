@@ -1,0 +1,93 @@
+"""One model's forwards over its ragged KV cache: prefill, and the steps a round repeats.
+
+Two paths behind one interface:
+- the lean path, for Llama-family models (specdec/llama.py): one function of plain tensors; on a GPU
+  every step (verification, draft steps, the draft's catch-up) replays a CUDA graph captured per
+  (row bucket, width, cache-length bucket), with the decoder layer compiled. Rows are padded to a
+  power of two (junk rows compute on free cache rows; their results are dropped) and the attention
+  reads a power-of-two bucket of slots, so a handful of graphs serve a whole job.
+- the generic path: transformers' own modules over the cache (any decoder-only model), eager.
+
+`kv_len` is always given by the caller, who knows the rows' lengths on the host: no forward reads a
+value back from the device.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from . import llama
+from .cache import RaggedKVCache, forward_hidden
+from .graphs import StepGraphs, compiled_layer
+
+
+def pow2_at_least(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+class ModelRunner:
+    max_graph_width = 32  # wider steps (a draft catching up on many tokens) run eagerly
+    min_kv_bucket = 64
+
+    compile_layers = True  # on a GPU, run the lean layer through torch.compile (bench/gpu_speed.py compares)
+
+    def __init__(self, model, cache: RaggedKVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
+                 lean: bool = True, graphs: bool | None = None):
+        """`lean`: use the lean forward where the model allows it. `graphs`: replay captured steps (default:
+        on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly)."""
+        self.model = model
+        self.cache = cache
+        self.head_weight = head_weight
+        self.head_bias = head_bias
+        self.device = cache.k[0].device
+        self.lean = llama.load_weights(model) if lean and llama.unsupported(model, cache.max_len) is None else None
+        cuda = self.device.type == "cuda"
+        if graphs is None:
+            graphs = cuda and self.lean is not None
+        self.graphs = StepGraphs(self.device) if graphs else None
+        self.layer = compiled_layer() if cuda and self.compile_layers and self.lean is not None else llama.layer_forward
+
+    @property
+    def path(self) -> str:
+        """What runs the steps: 'graphs', 'lean' (eager) or 'generic'."""
+        if self.graphs is not None and self.graphs.capture:
+            return "graphs"
+        return "lean" if self.lean is not None else "generic"
+
+    def prefill(self, tokens: torch.Tensor, start: int, end: int) -> None:
+        """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
+        junk past their length, masked until overwritten)."""
+        if self.lean is not None:
+            rows = torch.arange(start, end, device=self.device)
+            llama.prefill(self.lean, self.cache.k, self.cache.v, tokens, rows)
+        else:
+            t = tokens.shape[1]
+            positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
+            forward_hidden(self.model, self.cache, tokens, positions, start, end, t)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+             last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward rows [0, n) (tokens, positions [n, t]; every position < kv_len). Returns logits at every
+        position [n, t, vocab] and the hidden states [n, t, d]; or, given `last` [n], each row's logits
+        [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
+        next step of the same shape."""
+        n, t = tokens.shape
+        if self.graphs is None or t > self.max_graph_width:
+            return self._step(tokens, positions, last, kv_len=min(kv_len, self.cache.max_len))
+        rows = min(pow2_at_least(n), self.cache.rows)
+        kv = min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len)
+        inputs = (tokens, positions) if last is None else (tokens, positions, last)
+        logits, hidden = self.graphs.run((rows, t, kv, last is None), partial(self._step, kv_len=kv), rows, *inputs)
+        return logits[:n], hidden[:n]
+
+    def _step(self, tokens, positions, last=None, *, kv_len: int):
+        if self.lean is not None:
+            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len, self.layer)
+        else:
+            hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len)
+        if last is not None:
+            hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
+        return F.linear(hidden, self.head_weight, self.head_bias), hidden

@@ -1,0 +1,192 @@
+"""The lean Llama forward and the GPU fast path's pieces, on CPU: the same logits as transformers'
+modules, the verify step compiles whole (no graph break: no host sync, no data-dependent branch),
+padded static steps change nothing, and a round reads the device back once."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine_models import DEVICE, noisy_copy, pair, tiny_llama
+from specdec import llama
+from specdec.cache import RaggedKVCache, forward_hidden
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.runner import ModelRunner
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in [5, 17, 1, 9, 30, 3, 12, 8]]
+
+
+def ragged_inputs(seed=0, n=3):
+    """A prefill of 20 tokens per row, then a 3-token step at ragged lengths 20, 15, 9."""
+    g = torch.Generator().manual_seed(seed)
+    prefill = torch.randint(0, 96, (n, 20), generator=g)
+    step = torch.randint(0, 96, (n, 3), generator=g)
+    lengths = torch.tensor([20, 15, 9][:n])
+    return prefill.to(DEVICE), step.to(DEVICE), (lengths[:, None] + torch.arange(3)[None]).to(DEVICE)
+
+
+def test_lean_forward_matches_transformers(target):
+    """Prefill and a ragged multi-token step: hidden states and cache contents as transformers' modules
+    compute them over the same cache (float32; fused q/k/v may round differently in the last bits)."""
+    prefill, step, positions = ragged_inputs()
+    w = llama.load_weights(target)
+    hf, lean = RaggedKVCache(target, 4, 64), RaggedKVCache(target, 4, 64)
+    with torch.inference_mode():
+        a = forward_hidden(target, hf, prefill, torch.arange(20, device=DEVICE)[None].expand(3, 20), 0, 3, 20)
+        b = llama.prefill(w, lean.k, lean.v, prefill, torch.arange(3, device=DEVICE))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        a = forward_hidden(target, hf, step, positions, 0, 3, 23)
+        b = llama.forward(w, lean.k, lean.v, step, positions, 23)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for x, y in zip(hf.k + hf.v, lean.k + lean.v):
+            torch.testing.assert_close(x[:3, :, :23], y[:3, :, :23], rtol=1e-5, atol=1e-5)
+    assert llama.load_weights(target) is w  # fused once per model
+    fused = w.layers[0].qkv
+    q = target.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()  # a view: nothing held twice
+
+
+def test_verify_step_compiles_whole_and_matches_eager(target):
+    """torch.compile(fullgraph=True) of the verify step (lean forward over the ragged cache + head): a
+    host sync or a data-dependent Python branch would be a graph break and fail here."""
+    prefill, step, positions = ragged_inputs(seed=1)
+    w = llama.load_weights(target)
+    head = target.get_output_embeddings().weight
+    caches = [RaggedKVCache(target, 4, 64) for _ in range(2)]
+
+    def verify_step(k, v, tokens, pos):
+        return torch.nn.functional.linear(llama.forward(w, k, v, tokens, pos, 32), head)
+
+    compiled = torch.compile(verify_step, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        for c in caches:
+            llama.prefill(w, c.k, c.v, prefill, torch.arange(3, device=DEVICE))
+        eager = verify_step(caches[0].k, caches[0].v, step, positions)
+        got = compiled(caches[1].k, caches[1].v, step, positions)
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
+    for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # the compiled step wrote the cache
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_runner_padded_static_steps_equal_unpadded(target):
+    """Rows padded to a power of two, attention over a power-of-two bucket of slots, static input buffers
+    reused across calls (what CUDA graphs replay): the same logits as the exact-shape step."""
+    prefill, step, positions = ragged_inputs(seed=2)
+    head = target.get_output_embeddings().weight
+    plain = ModelRunner(target, RaggedKVCache(target, 4, 128), head, graphs=False)
+    padded = ModelRunner(target, RaggedKVCache(target, 4, 128), head, graphs=True)
+    with torch.inference_mode():
+        for r in (plain, padded):
+            r.prefill(prefill, 0, 3)
+        for _ in range(2):  # the second call reuses the static buffers
+            a, ha = plain.step(step, positions, 23)
+            b, hb = padded.step(step, positions, 23)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            last = torch.tensor([2, 0, 1], device=DEVICE)
+            a, ha = plain.step(step, positions, 23, last=last)
+            b, hb = padded.step(step, positions, 23, last=last)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)
+    assert b.shape == (3, 96) and len(padded.graphs) == 2  # (4 rows, 3 wide, 64 slots) x (all, last)
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "prompt_lookup"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fast_paths_give_transformers_greedy_output(target, prompts, method, graphs):
+    """Greedy output through the lean forward (eagerly, or as padded static steps) equals the generic
+    path's, which equals transformers' generate (tests/test_engine.py)."""
+    draft = noisy_copy(target, 0.02) if method == "draft_model" else None
+    spec = SpecConfig(method=method, num_draft_tokens=3)
+    runs = {}
+    for fast in (False, True):
+        eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=MAX_NEW), spec, batch_size=3,
+                         fast_path=fast, step_graphs=graphs if fast else None)
+        runs[fast] = [r.token_ids for r in eng.generate(prompts)]
+        assert eng.step_path == ("generic" if not fast else "graphs" if graphs and DEVICE == "cuda" else "lean")
+    assert runs[True] == runs[False]
+
+
+def test_other_architectures_take_the_generic_path(prompts):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      initializer_range=0.3)).to(DEVICE).eval().requires_grad_(False)
+    assert "gpt2" in llama.unsupported(gpt2)
+    eng = SpecEngine(pair(gpt2, gpt2), SamplingParams(max_new_tokens=12), SpecConfig(num_draft_tokens=3),
+                     batch_size=4)
+    out = eng.generate(prompts)
+    assert eng.step_path == "generic"
+    for p, r in zip(prompts, out):
+        ref = gpt2.generate(torch.tensor([p], device=DEVICE), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert r.token_ids == ref[0, len(p):].tolist()
+        assert r.accepted_tokens == r.drafted_tokens  # its own draft: everything passes
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts reads of tensor values into Python (each one a device sync on a GPU)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method,draft_length,temperature", [
+    ("none", "fixed", 0.0), ("draft_model", "fixed", 0.0), ("draft_model", "fixed", 0.8),
+    ("draft_model", "goodput", 0.0), ("draft_model", "heuristic", 0.0), ("prompt_lookup", "fixed", 0.0),
+])
+def test_a_round_reads_the_device_once(target, prompts, method, draft_length, temperature):
+    """Every round reads its results back once, at its end; nothing else in generate() waits on the device
+    (admissions, prefills, draft steps, policies, retirements)."""
+    draft = noisy_copy(target, 0.02) if method == "draft_model" else None
+    eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature),
+                     SpecConfig(method=method, num_draft_tokens=3, draft_length=draft_length, max_draft_tokens=4),
+                     batch_size=3, step_graphs=True)
+    eng.generate(prompts[:2])  # warm: caches allocated, goodput's first choices made
+    with HostReads() as reads:
+        out = eng.generate(prompts)
+    rounds = max(r.rounds for r in out)  # rows share rounds: the batch ran at least this many
+    total_rounds = eng_rounds(out, 3)
+    assert rounds <= reads.count == total_rounds
+
+
+def eng_rounds(out, batch_size):
+    """Rounds a batch of `batch_size` ran: recomputed from the rows' own round counts in admission order
+    (longest prompt first), as continuous batching scheduled them."""
+    order = sorted(range(len(out)), key=lambda i: -out[i].prompt_tokens)
+    free = [0] * batch_size  # round at which each slot frees up
+    end = 0
+    for i in order:
+        slot = min(range(batch_size), key=lambda s: free[s])
+        free[slot] += out[i].rounds
+        end = max(end, free[slot])
+    return end
+
+
+def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
+    """confidence stops rows on the draft's own probabilities: the one kind of round allowed more reads
+    (one per draft step), and still correct."""
+    eng = SpecEngine(pair(target, noisy_copy(target, 0.02)), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(draft_length="confidence", max_draft_tokens=4), batch_size=3)
+    with HostReads() as reads:
+        out = eng.generate(prompts)
+    assert reads.count > eng_rounds(out, 3)
+    assert np.mean([r.mean_accepted_length for r in out]) > 1

@@ -30,6 +30,11 @@ def cmd_run(args) -> int:
           + (f", mean accepted length {mal:.2f}" if mal else "")
           + (f", acceptance rate {rate:.2f}" if rate is not None else "")
           + f" -> {spec.output.path}")
+    if summary["step_path"]:
+        peaks = summary["peak_gpu_gib_per_worker"]
+        print(f"specbatch: steps ran on the {summary['step_path']} path"
+              + ("; peak GPU memory per worker: " + ", ".join(f"{w} {g:.2f} GiB" for w, g in peaks.items())
+                 if peaks else ""))
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -130,9 +130,14 @@ class _Progress:
                         dynamic_ncols=True, desc="specbatch")
         self.t0 = time.perf_counter()
         self.tokens = self.rounds = self.drafted = self.accepted = self.rows = self.failed = 0
+        self.peaks: dict[str, int] = {}  # peak GPU memory per worker
+        self.paths: set[str] = set()  # how workers ran their steps
 
     def add(self, res: dict) -> None:
         self.rows += res["rows"]
+        self.paths.add(res["step_path"])
+        if res["peak_gpu_bytes"] is not None:
+            self.peaks[res["worker"]] = max(self.peaks.get(res["worker"], 0), res["peak_gpu_bytes"])
         self.failed += res["failed"]
         self.tokens += res["generated_tokens"]
         self.rounds += res["rounds"]
@@ -256,4 +261,6 @@ def _summary(manifest: dict, prog: _Progress, resumed: int, ran: int) -> dict:
         "acceptance_rate": prog.accepted / prog.drafted if prog.drafted else None,
         "wall_s": dt,
         "parts": len(manifest["parts"]),
+        "step_path": ",".join(sorted(prog.paths)) or None,
+        "peak_gpu_gib_per_worker": {w: round(b / (1 << 30), 2) for w, b in sorted(prog.peaks.items())},
     }

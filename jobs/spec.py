@@ -88,6 +88,8 @@ class ResourcesSpec(_Strict):
     gpus_per_worker: float = Field(0, ge=0)
     cpus_per_worker: float = Field(1, gt=0)
     batch_size: int = Field(16, ge=1)
+    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0,
+                                       description="share of a GPU the worker's weights, KV caches and steps may use")
     shard_size: int = Field(256, ge=1)
     max_retries: int = Field(3, ge=0, description="attempts per shard after the first, when a worker dies")
 
@@ -148,7 +150,8 @@ class JobSpec(_Strict):
         """Hash of everything that changes output rows (not worker count, batch size or retries)."""
         data = self.model_dump(mode="json")
         data.pop("name")
-        for k in ("num_workers", "gpus_per_worker", "cpus_per_worker", "batch_size", "max_retries"):
+        for k in ("num_workers", "gpus_per_worker", "cpus_per_worker", "batch_size", "max_retries",
+                  "gpu_memory_fraction"):
             data["resources"].pop(k)
         data["speculation"].pop("verify_padding")  # a speed setting: rows and their statistics are the same
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()

@@ -151,7 +151,6 @@ class SpecEngine:
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
-        self._plan = None  # the memory plan of the caches (GPU only)
         self.plan_check()
         pad = spec.verify_padding and spec.method != "none"
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
@@ -263,13 +262,22 @@ class SpecEngine:
         bias = getattr(head, "bias", None)
         return head.weight[:rows], bias[:rows] if bias is not None else None
 
+    def memory_plan(self, rows: int) -> memory.MemoryPlan | None:
+        """The KV-cache memory plan for `rows` rows on a GPU (None on CPU), counting the engine's current
+        caches as free (a new allocation replaces them)."""
+        freed = sum(r.cache.nbytes() for r in self._runners.values())
+        return memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, rows,
+                           self.spec.max_draft_tokens + 1, self.vocab_size, freed)
+
+    def row_tokens(self, prompt_tokens: int) -> int:
+        """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
+        return prompt_tokens + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+
     def plan_check(self) -> None:
-        """Refuse now what could never run: one row of max_new_tokens (and a one-token prompt) must fit."""
-        need = 1 + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
-        p = memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, 1,
-                        self.spec.max_draft_tokens + 1, self.vocab_size)
-        if p is not None:
-            p.rows(need, 1)
+        """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""
+        plan = self.memory_plan(1)
+        if plan is not None:
+            plan.rows(self.row_tokens(1), 1)
 
     def runner(self, name: str, rows: int, max_len: int) -> ModelRunner:
         """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots. The caches
@@ -284,32 +292,22 @@ class SpecEngine:
         old = next(iter(self._runners.values()), None)
         if old is not None:
             rows, max_len = max(rows, old.cache.rows), max(max_len, old.cache.max_len)
-        freed = sum(r.cache.nbytes() for r in self._runners.values())
         self._runners.clear()
-        models = self._models()
         # room to grow: a power of two of slots (within the models' positions, plus the draft's slack), and one
         # more, so that no attention window (a power of two, specdec/runner.py) spans the whole buffer
         max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_draft_tokens + 2)) + 1
-        self._plan = memory.plan(self.device, list(models.values()), self.gpu_memory_fraction, rows,
-                                 self.spec.max_draft_tokens + 1, self.vocab_size, freed)
-        for name, model in models.items():
+        for name, model in self._models().items():
             cache = RaggedKVCache(model, rows, max_len)
             self._runners[name] = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path,
                                               graphs=self.step_graphs)
 
-    def fit(self, longest: int) -> int:
-        """Rows the batch may have for prompts of up to `longest` tokens (a GPU's memory plan may allow
-        fewer than batch_size)."""
-        if self.device.type != "cuda":
-            return self.batch_size
-        need = longest + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+    def _batch_rows(self, max_len: int, plan: memory.MemoryPlan | None) -> int:
+        """Rows a batch of rows up to max_len slots may have: batch_size, or fewer where the GPU's memory
+        plan allows fewer (the current caches, if large enough, are kept as they are)."""
         have = next(iter(self._runners.values()), None)
-        if have is not None and have.cache.rows >= self.batch_size and have.cache.max_len >= need:
+        if plan is None or (have is not None and have.cache.rows >= self.batch_size and have.cache.max_len >= max_len):
             return self.batch_size
-        freed = sum(r.cache.nbytes() for r in self._runners.values())
-        p = memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, self.batch_size,
-                        self.spec.max_draft_tokens + 1, self.vocab_size, freed)
-        return p.rows(need, self.batch_size)
+        return plan.rows(max_len, self.batch_size)
 
     @property
     def step_path(self) -> str:
@@ -328,7 +326,7 @@ class SpecEngine:
             return PromptLookupProposer(batch)
         return Proposer(batch)  # method none: never drafts (limits are 0)
 
-    def _check_prompt(self, prompt) -> str | None:
+    def _check_prompt(self, prompt, plan: memory.MemoryPlan | None) -> str | None:
         if len(prompt) == 0:
             return "empty prompt"
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -337,6 +335,10 @@ class SpecEngine:
         if need > self.max_positions:
             return (f"prompt of {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens} exceeds "
                     f"the model's {self.max_positions} positions")
+        if plan is not None and plan.max_row_tokens() < self.row_tokens(len(prompt)):
+            return (f"prompt of {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens} needs "
+                    f"{self.row_tokens(len(prompt))} KV-cache slots; the GPU memory plan allows "
+                    f"{plan.max_row_tokens()} (resources.gpu_memory_fraction {plan.fraction})")
         return None
 
     @torch.inference_mode()
@@ -348,8 +350,9 @@ class SpecEngine:
         prompts = [list(map(int, p)) for p in prompts]
         results: list[SampleResult | None] = [None] * len(prompts)
         todo = []
+        plan = self.memory_plan(self.batch_size)
         for i, p in enumerate(prompts):
-            reason = self._check_prompt(p)
+            reason = self._check_prompt(p, plan)
             if reason:
                 results[i] = SampleResult.failed(keys[i], len(p), reason)
             else:
@@ -357,9 +360,8 @@ class SpecEngine:
         if todo:
             # longest first: similar lengths run together and the long tail does not trail at the end
             todo.sort(key=lambda i: -len(prompts[i]))
-            longest = len(prompts[todo[0]])
-            max_len = longest + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
-            batch = Batch(self, min(self.fit(longest), len(todo)), max_len)
+            max_len = self.row_tokens(len(prompts[todo[0]]))
+            batch = Batch(self, min(self._batch_rows(max_len, plan), len(todo)), max_len)
             _Loop(self, batch, prompts, keys, results).run(deque(todo))
         return results  # type: ignore[return-value]
 

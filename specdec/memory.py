@@ -40,6 +40,10 @@ class MemoryPlan:
     used: int  # in use when the plan was made (weights, the process's other tensors, other processes)
     reserve: int
 
+    def max_row_tokens(self) -> int:
+        """The most tokens one row can hold."""
+        return max(self.budget, 0) // self.per_token
+
     def rows(self, max_len: int, want: int) -> int:
         """Rows of max_len tokens to allocate: `want`, or as many as fit; refuses if none fits."""
         fit = self.budget // (max_len * self.per_token)

@@ -32,7 +32,9 @@ class ModelRunner:
     max_graph_width = 32  # wider steps (a draft catching up on many tokens) run eagerly
     min_kv_bucket = 64
 
-    compile_layers = True  # on a GPU, run the lean layer through torch.compile (bench/gpu_speed.py compares)
+    # run the lean layer through torch.compile: None on GPUs only (on CPU it is slower), True / False always /
+    # never (bench/gpu_speed.py compares)
+    compile_layers: bool | None = None
 
     def __init__(self, model, cache: RaggedKVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
                  lean: bool = True, graphs: bool | None = None):
@@ -48,7 +50,8 @@ class ModelRunner:
         if graphs is None:
             graphs = cuda and self.lean is not None
         self.graphs = StepGraphs(self.device) if graphs else None
-        self.layer = compiled_layer() if cuda and self.compile_layers and self.lean is not None else llama.layer_forward
+        compile = cuda if self.compile_layers is None else self.compile_layers
+        self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
 
     @property
     def path(self) -> str:

@@ -81,6 +81,8 @@ def test_job_end_to_end(tmp_path, tiny_pair, ray_session):
     assert manifest["input"]["rows"] == 10 and manifest["num_shards"] == 4
     assert sum(p["rows"] for p in manifest["parts"].values()) == 10
     assert summary["rows_committed"] == 10 and summary["rows_failed_this_run"] == 0
+    assert summary["step_path"] == "lean"  # a Llama model on CPU: the lean forward, no GPU memory to report
+    assert summary["peak_gpu_gib_per_worker"] == {}
 
     # greedy speculative job output == plain autoregressive job output, token for token
     path2, _ = config(tmp_path, tiny_pair, rows_of(10), output__path=str(tmp_path / "plain"),
@@ -134,6 +136,8 @@ def test_config_errors_name_the_key(tmp_path, tiny_pair, capsys):
         load_spec(path, ["speculation.num_draft_tokenz=3"])
     with pytest.raises(ConfigError, match=r"generation\.temperature"):
         load_spec(path, ["generation.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"resources\.gpu_memory_fraction: Input should be less than or equal to 1"):
+        load_spec(path, ["resources.gpu_memory_fraction=1.5"])
     with pytest.raises(ConfigError, match="needs models.draft"):
         parse_spec({**cfg, "models": {"target": cfg["models"]["target"]}})
     spec = load_spec(path, ["generation.max_new_tokens=5", "resources.num_workers=1"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import socket
 import time
 
 import pyarrow as pa
@@ -52,8 +53,10 @@ class GenerationWorker:
         target, draft = self.spec.model_sources()
         self.pair = load_pair(target, draft, device)
         self.tokenizer = self.pair.tokenizer
-        self.engine = SpecEngine(self.pair, self.spec.sampling(), self.spec.spec_config(),
-                                 batch_size=self.spec.resources.batch_size)
+        res = self.spec.resources
+        self.engine = SpecEngine(self.pair, self.spec.sampling(), self.spec.spec_config(), batch_size=res.batch_size,
+                                 gpu_memory_fraction=res.gpu_memory_fraction)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.storage = open_storage(self.spec.output.path)
         self.fault_marker = fault_marker
 
@@ -107,4 +110,14 @@ class GenerationWorker:
             "accepted_tokens": sum(r["accepted_tokens"] for r in ok),
             "rounds": sum(r["rounds"] for r in ok),
             "wall_s": time.perf_counter() - t0,
+            "worker": self.name,
+            "step_path": self.engine.step_path,
+            "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
+
+    def _peak_gpu_bytes(self) -> int | None:
+        import torch
+
+        if self.engine.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.engine.device)

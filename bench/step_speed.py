@@ -1,14 +1,15 @@
-"""Step speed on a GPU: autoregressive tok/s through specdec's step paths and transformers' references,
-for the SmolLM2 target and random-weight Llama-1B and Llama-8B shapes, at several batch sizes.
+"""Step speed: autoregressive tok/s through specdec's step paths and transformers' references, for the
+SmolLM2 target and random-weight Llama-1B and Llama-8B shapes, at several batch sizes (GPU by default).
 
-    python bench/gpu_speed.py [--shapes smollm2,llama1b,llama8b] [--batches 1,8,32,64] [--max-new 128]
-                              [--paths graphs,graphs-eager,generic] [--hf eager,compiled] [--deadline 540]
+    python bench/step_speed.py [--shapes smollm2,llama1b,llama8b] [--batches 1,8,32,64] [--max-new 128]
+                              [--paths generic,fast,fast-uncompiled] [--hf eager,compiled] [--deadline 540]
 
 Every row: one generate() of `batch` random prompts of `--prompt-len` tokens, `--max-new` new tokens each
 (no stop tokens: every row runs to the limit), timed after an identical untimed run (compilation and
 graph capture happen there). tok/s = generated tokens / wall time, prefill included. Paths:
-- graphs: the lean Llama forward, decoder layer compiled, every step a replayed CUDA graph (the default);
-- graphs-eager: the same graphs around the uncompiled lean layer (what compilation adds);
+- fast: the lean Llama forward, decoder layer compiled, every step a replayed CUDA graph (the engine's default on a GPU; on a CPU: the lean forward, eager);
+- fast-uncompiled: the same without compiling the layer (on a GPU: what compilation adds);
+- fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
 - generic: transformers' own modules over the same ragged cache, eager (the engine before the fast path);
 - hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
@@ -110,12 +111,13 @@ def timed(fn) -> float:
 
 def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
     """(tok/s, seconds of the untimed first run: compilation and capture) of `method: none` on a path."""
-    ModelRunner.compile_layers = path != "graphs-eager"
+    ModelRunner.compile_layers = {"fast": None, "fast-uncompiled": False, "fast-compiled": True}.get(path)
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic")
     first = timed(lambda: eng.generate(prompts))
     wall = timed(lambda: eng.generate(prompts))
     assert eng.step_path == ("generic" if path == "generic" else "graphs" if model.device.type == "cuda" else "lean")
+    ModelRunner.compile_layers = None
     return batch * max_new / wall, first
 
 
@@ -134,7 +136,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2,llama1b,llama8b")
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--paths", default="generic,graphs,graphs-eager")
+    ap.add_argument("--paths", default="generic,fast,fast-uncompiled")
     ap.add_argument("--hf", default="eager,compiled", help="transformers references (batch 1 and 8 only)")
     ap.add_argument("--hf-batches", default="1")
     ap.add_argument("--generic-batches", default="1,8", help="the generic path is slow: only these batches")

@@ -20,7 +20,7 @@ import time
 
 
 def child(path: str) -> None:
-    from jobs.inputs import scan
+    from workers.inputs import scan
 
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.perf_counter()

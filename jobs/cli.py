@@ -3,6 +3,7 @@
   specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite]
   specbatch status CONFIG.yaml|OUTPUT_PATH
   specbatch train-head CONFIG.yaml --out DIR
+  specbatch config-reference
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import argparse
 import json
 import sys
 
+from workers.inputs import InputError
+from workers.storage import StorageError, open_storage
+
 from .driver import MANIFEST, SUCCESS, JobError, run_job
-from .inputs import InputError
-from .spec import ConfigError, load_spec
-from .storage import StorageError, open_storage
+from .spec import ConfigError, config_reference, load_spec
 
 
 def cmd_run(args) -> int:
@@ -70,6 +72,13 @@ def cmd_train_head(args) -> int:
     return 0
 
 
+def cmd_reference(args) -> int:
+    """Print the config reference (every key, its default and what it does) as a markdown table."""
+    print("| key | default | meaning |\n|---|---|---|")
+    print("\n".join(config_reference()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specbatch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                          "fed: the state after the token was fed back (the SpecDec++ paper's; one more forward)")
     th.add_argument("--no-progress", action="store_true")
     th.set_defaults(fn=cmd_train_head)
+    ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
+    ref.set_defaults(fn=cmd_reference)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -17,9 +17,10 @@ from collections import deque
 
 import pyarrow.parquet as pq
 
-from .inputs import Shard, scan
-from .spec import JobSpec
-from .storage import is_s3, open_storage
+from workers.inputs import Shard, scan
+from workers.storage import is_s3, open_storage
+
+from .spec import JobSpec, changed_keys
 
 log = logging.getLogger("specbatch")
 
@@ -72,7 +73,7 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
         if overwrite:
             _clear(storage)
         elif old.get("fingerprint") != spec.fingerprint():
-            changed = _diff(old.get("spec", {}), spec.model_dump(mode="json"))
+            changed = changed_keys(old.get("spec", {}), spec.model_dump(mode="json"))
             raise JobError(
                 f"{storage.uri('')} holds the outputs of a different job config (changed: {', '.join(changed) or '?'}); "
                 "re-run with --overwrite to discard them, or choose another output.path")
@@ -92,19 +93,6 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
         "num_shards": len(shards),
         "parts": parts,
     }
-
-
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += _diff(x, y, f"{prefix}{k}.")
-        elif x != y:
-            out.append(prefix + k)
-    return [k for k in out if not k.startswith(("resources.num_workers", "resources.batch_size", "name",
-                                                 "resources.gpus_per_worker", "resources.cpus_per_worker",
-                                                 "resources.max_retries"))]
 
 
 def _init_ray(address: str | None) -> bool:
@@ -179,10 +167,11 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
 
     started = _init_ray(address)
     res = spec.resources
-    actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker,
+    gpus = spec.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
+    actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=gpus,
                                                      max_restarts=0, max_concurrency=1)
     fault = os.environ.get("SPECBATCH_FAULT_EXIT_ONCE")  # test hook: a worker dies mid-shard once
-    spec_data = spec.model_dump(mode="json")
+    spec_data = spec.worker_spec(gpus).model_dump(mode="json")
 
     def new_worker():
         return actor_cls.remote(spec_data, fault)

@@ -14,14 +14,15 @@ import sys
 import torch
 from tqdm import tqdm
 
-from specdec.config import SamplingParams, SpecConfig
+from specdec.config import SpecConfig
 from specdec.engine import SpecEngine
 from specdec.head import HeadConfig, build_examples, train_head
 from specdec.models import load_pair
+from workers.fetch import localize
+from workers.inputs import iter_rows, render_prompt
+from workers.storage import list_input_files
 
-from .inputs import iter_rows, render_prompt
 from .spec import ConfigError, JobSpec
-from .storage import list_input_files
 
 
 def collect_prompts(spec: JobSpec, tokenizer, limit: int) -> list[list[int]]:
@@ -43,15 +44,12 @@ def run_train_head(spec: JobSpec, out: str, max_prompts: int = 64, response_toke
     if spec.models.draft is None:
         raise ConfigError("train-head needs models.draft in the job config")
     t, d = spec.models.target, spec.models.draft
-    from specdec.models import ModelSource
-
-    pair = load_pair(ModelSource(t.path, t.gguf_file, t.dtype), ModelSource(d.path, d.gguf_file, d.dtype))
+    pair = load_pair(localize(t), localize(d))
     prompts = collect_prompts(spec, pair.tokenizer, max_prompts)
     if not prompts:
         raise ConfigError(f"no usable prompts in {spec.input.path}")
-    g = spec.generation
-    sp = SamplingParams(max_new_tokens=min(g.max_new_tokens, response_tokens), temperature=g.temperature,
-                        top_k=g.top_k, top_p=g.top_p, seed=g.seed)
+    sp = spec.generation.model_copy(update={"max_new_tokens": min(spec.generation.max_new_tokens, response_tokens),
+                                            "stop_token_ids": ()})
     print(f"specbatch train-head: the target answers {len(prompts)} prompts (up to {sp.max_new_tokens} tokens)...",
           file=sys.stderr)
     engine = SpecEngine(pair, sp, SpecConfig(method="none"), batch_size=spec.resources.batch_size)

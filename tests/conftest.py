@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny tokenizer + target/draft pair saved as HF folders, and one Ray session."""
+"""Shared fixtures: tiny in-memory models and prompts with transformers' own greedy answers (engine
+tests), a tiny tokenizer + target/draft pair saved as HF folders (job tests), and one Ray session."""
 
 from __future__ import annotations
 
@@ -62,3 +63,41 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def target():
+    from engine_models import tiny_llama
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="session")
+def drafts(target):
+    from engine_models import noisy_copy, tiny_llama
+    return {
+        "random": tiny_llama(layers=1, seed=7),  # unrelated: almost nothing accepted
+        "noisy": noisy_copy(target, 0.02),  # partial acceptance
+        "same": target,  # everything accepted
+    }
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    import torch
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 17, 1, 9, 30, 3, 12, 8]
+    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def reference(target, prompts):
+    """Plain greedy from transformers' own generate, one prompt at a time."""
+    import torch
+
+    from engine_models import MAX_NEW
+    out = []
+    for p in prompts:
+        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=MAX_NEW,
+                              min_new_tokens=MAX_NEW, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out

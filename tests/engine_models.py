@@ -5,10 +5,15 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
 from specdec.models import ModelPair
+
+MAX_NEW = 24  # new tokens per row in the engine tests (the `reference` fixture's length)
 
 # SPECBATCH_TEST_DEVICE=cuda runs the engine tests on a GPU (CI has none: CPU by default)
 DEVICE = os.environ.get("SPECBATCH_TEST_DEVICE", "cpu")
@@ -35,3 +40,20 @@ def noisy_copy(model, scale: float, seed: int = 1):
 
 def pair(target, draft=None, stop=()) -> ModelPair:
     return ModelPair(target, draft, None, tuple(stop), target.config.vocab_size)
+
+
+def run(target, draft, prompts, method="draft_model", bs=8, k=4, max_new=MAX_NEW, stop=(), **spec):
+    """generate() with a fixed draft length k unless `spec` names another policy."""
+    eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
+                     SpecConfig(method=method, num_draft_tokens=k, **{"draft_length": "fixed", **spec}), batch_size=bs)
+    return eng.generate(prompts)
+
+
+def check_stats(r):
+    """A row's statistics agree with each other."""
+    assert sum(r.accept_lengths) == r.accepted_tokens
+    assert sum(r.draft_lengths) == r.drafted_tokens
+    assert len(r.draft_lengths) == len(r.accept_lengths) == r.rounds
+    assert all(0 <= a <= d for a, d in zip(r.accept_lengths, r.draft_lengths))
+    assert r.generated_tokens <= r.accepted_tokens + r.rounds
+    assert r.mean_accepted_length == pytest.approx(r.generated_tokens / r.rounds)

@@ -6,26 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine_models import DEVICE, noisy_copy, pair, tiny_llama
+from engine_models import DEVICE, MAX_NEW, noisy_copy, pair
 from specdec import llama
 from specdec.cache import RaggedKVCache, forward_hidden
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.runner import ModelRunner
-
-MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 96, (n,), generator=g).tolist() for n in [5, 17, 1, 9, 30, 3, 12, 8]]
-
 
 def ragged_inputs(seed=0, n=3):
     """A prefill of 20 tokens per row, then a 3-token step at ragged lengths 20, 15, 9."""
@@ -107,7 +93,7 @@ def test_fast_paths_give_transformers_greedy_output(target, prompts, method, gra
     """Greedy output through the lean forward (eagerly, or as padded static steps) equals the generic
     path's, which equals transformers' generate (tests/test_engine.py)."""
     draft = noisy_copy(target, 0.02) if method == "draft_model" else None
-    spec = SpecConfig(method=method, num_draft_tokens=3)
+    spec = SpecConfig(method=method, num_draft_tokens=3, draft_length="fixed")
     runs = {}
     for fast in (False, True):
         eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=MAX_NEW), spec, batch_size=3,
@@ -123,7 +109,7 @@ def test_other_architectures_take_the_generic_path(prompts):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                       initializer_range=0.3)).to(DEVICE).eval().requires_grad_(False)
     assert "gpt2" in llama.unsupported(gpt2)
-    eng = SpecEngine(pair(gpt2, gpt2), SamplingParams(max_new_tokens=12), SpecConfig(num_draft_tokens=3),
+    eng = SpecEngine(pair(gpt2, gpt2), SamplingParams(max_new_tokens=12), SpecConfig(num_draft_tokens=3, draft_length="fixed"),
                      batch_size=4)
     out = eng.generate(prompts)
     assert eng.step_path == "generic"

@@ -96,8 +96,8 @@ def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):
     sp = SamplingParams(max_new_tokens=20)
     ref = SpecEngine(make_pair(target), sp, SpecConfig(method="none")).generate(prompts)
     for threshold in (0.3, 0.9):
-        spec = SpecConfig(draft_length="acceptance_head", acceptance_head_path=trained,
-                          acceptance_head_threshold=threshold, max_draft_tokens=8)
+        spec = SpecConfig(draft_length="acceptance_head", acceptance_head={"path": trained, "threshold": threshold},
+                          max_draft_tokens=8)
         res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=4).generate(prompts)
         assert [r.token_ids for r in res] == [r.token_ids for r in ref]
         lengths = [d for r in res for d in r.draft_lengths]  # rounds near max_new may be cut shorter
@@ -123,8 +123,9 @@ def test_proposing_head_is_lossless_and_saves_the_extra_draft_forward(tmp_path):
     ref = SpecEngine(make_pair(target), sp, SpecConfig(method="none")).generate(prompts)
     forwards = {}
     for reads in ("fed", "proposing"):
-        spec = SpecConfig(draft_length="acceptance_head", acceptance_head_path=_flat_head(str(tmp_path / reads), reads),
-                          acceptance_head_threshold=0.3, max_draft_tokens=8)
+        spec = SpecConfig(draft_length="acceptance_head",
+                          acceptance_head={"path": _flat_head(str(tmp_path / reads), reads), "threshold": 0.3},
+                          max_draft_tokens=8)
         res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=1).generate(prompts)
         assert [r.token_ids for r in res] == [r.token_ids for r in ref]
         full = [(r.draft_forwards, r.rounds) for r in res]

@@ -16,7 +16,7 @@ import yaml
 
 from jobs.cli import main as cli
 from jobs.driver import JobError, run_job
-from jobs.inputs import InputError
+from workers.inputs import InputError
 from jobs.spec import ConfigError, load_spec, parse_spec
 
 COLUMNS = ["id", "completion", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error",
@@ -144,6 +144,26 @@ def test_config_errors_name_the_key(tmp_path, tiny_pair, capsys):
     assert spec.generation.max_new_tokens == 5 and spec.resources.num_workers == 1
     assert cli(["run", path, "--set", "input.bogus=1"]) == 2
     assert "input.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
+    """Speed settings (jobs.spec.OUTPUT_NEUTRAL, one list) may change between runs of a job; anything else
+    that changes output rows changes the fingerprint and is named."""
+    from jobs.spec import OUTPUT_NEUTRAL, changed_keys
+    path, cfg = config(tmp_path, tiny_pair, rows_of(2))
+    base = load_spec(path)
+    other = {"name": "'renamed'", "resources.num_workers": 3, "resources.gpus_per_worker": 1,
+             "resources.cpus_per_worker": 2, "resources.batch_size": 7, "resources.max_retries": 9,
+             "resources.gpu_memory_fraction": 0.5, "speculation.verify_padding": "false"}
+    assert set(other) == set(OUTPUT_NEUTRAL)
+    for key, value in other.items():
+        changed = load_spec(path, [f"{key}={value}"])
+        assert changed.fingerprint() == base.fingerprint(), key
+        assert changed_keys(base.model_dump(mode="json"), changed.model_dump(mode="json")) == []
+    seeded = load_spec(path, ["generation.seed=5", "speculation.max_draft_tokens=4"])
+    assert seeded.fingerprint() != base.fingerprint()
+    assert changed_keys(base.model_dump(mode="json"), seeded.model_dump(mode="json")) == \
+        ["generation.seed", "speculation.max_draft_tokens"]
 
 
 def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_session):

@@ -7,7 +7,8 @@ import torch
 
 from jobs.spec import ConfigError, parse_spec
 from specdec import models
-from specdec.models import ModelSource, load_model, resolve_dtype
+from specdec.config import ModelSource
+from specdec.models import load_model, resolve_dtype
 
 
 def test_named_dtypes_and_unknown_refused():
@@ -22,7 +23,7 @@ def test_named_dtypes_and_unknown_refused():
 def test_auto_on_cpu_follows_native_bfloat16(monkeypatch, tiny_pair, native, expected):
     monkeypatch.setattr(models, "native_bf16_cpu", lambda: native)
     assert resolve_dtype("auto", "cpu") is expected
-    model = load_model(ModelSource(tiny_pair["target"], dtype="auto"), "cpu")
+    model = load_model(ModelSource(path=tiny_pair["target"], dtype="auto"), "cpu")
     assert {p.dtype for p in model.parameters()} == {expected}
 
 
@@ -30,8 +31,7 @@ def test_job_dtype_defaults_to_auto_and_refuses_unknown(tiny_pair, tmp_path):
     cfg = {"name": "t", "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out")},
            "models": {"target": {"path": tiny_pair["target"]}, "draft": {"path": tiny_pair["draft"]}}}
     spec = parse_spec(cfg)
-    target, draft = spec.model_sources()
-    assert target.dtype == "auto" and draft.dtype == "auto"
+    assert spec.models.target.dtype == "auto" and spec.models.draft.dtype == "auto"
     bad = {**cfg, "models": {"target": {"path": tiny_pair["target"], "dtype": "float8"}}}
     with pytest.raises(ConfigError, match=r"models\.target\.dtype"):
         parse_spec(bad)

@@ -54,7 +54,7 @@ def s3():
 
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_storage_semantics(kind, tmp_path, s3_server):
-    from jobs.storage import open_storage
+    from workers.storage import open_storage
 
     root = str(tmp_path / "st") if kind == "local" else f"s3://bucket/unit-{time.time_ns()}/"
     st = open_storage(root)
@@ -72,8 +72,8 @@ def test_storage_semantics(kind, tmp_path, s3_server):
 
 
 def test_s3_inputs_stream_with_ranged_reads(s3_server):
-    from jobs.inputs import iter_rows
-    from jobs.storage import list_input_files, open_input
+    from workers.inputs import iter_rows
+    from workers.storage import list_input_files, open_input
 
     table = pa.table({"id": [f"x{i}" for i in range(5000)], "prompt": ["the day"] * 5000})
     buf = io.BytesIO()
@@ -91,7 +91,7 @@ def test_s3_inputs_stream_with_ranged_reads(s3_server):
 
 
 def test_permanent_error_is_fast_and_names_bucket_and_operation(s3_server):
-    from jobs.storage import StorageError, open_storage
+    from workers.storage import StorageError, open_storage
 
     t = time.time()
     with pytest.raises(StorageError, match=r"S3 PutObject s3://no-such-bucket/p/x: bucket 'no-such-bucket' does not exist"):
@@ -100,7 +100,7 @@ def test_permanent_error_is_fast_and_names_bucket_and_operation(s3_server):
 
 
 def test_transient_errors_are_retried(s3_server, monkeypatch):
-    import jobs.storage as storage
+    import workers.storage as storage
 
     monkeypatch.setenv("SPECBATCH_S3_FAULTS", "put:3,get:2")
     monkeypatch.setattr(storage, "_faults", None)  # re-read the variable

@@ -69,7 +69,7 @@ def test_sampled_output_has_target_distribution(models, method, sp):
     if cut:
         method = "draft_model"
     eng = SpecEngine(pair(target, draft if method == "draft_model" else None), sp,
-                     SpecConfig(method=method, num_draft_tokens=2, draft_vocab=5 if cut else 0,
+                     SpecConfig(method=method, num_draft_tokens=2, draft_length="fixed", draft_vocab=5 if cut else 0,
                                 prompt_lookup_min_ngram=1, prompt_lookup_max_ngram=2), batch_size=512)
     results = eng.generate([PROMPT] * N, keys=[f"row{i}" for i in range(N)])
     assert all(r.generated_tokens == NEW for r in results)
@@ -89,7 +89,7 @@ def test_convergence_is_to_target_not_draft(models):
     target, draft = models
     sp = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=5)
     p_target, p_draft = exact_distribution(target, sp), exact_distribution(draft, sp)
-    eng = SpecEngine(pair(target, draft), sp, SpecConfig(num_draft_tokens=3), batch_size=512)
+    eng = SpecEngine(pair(target, draft), sp, SpecConfig(num_draft_tokens=3, draft_length="fixed"), batch_size=512)
     small = empirical(eng.generate([PROMPT] * 250, keys=[f"a{i}" for i in range(250)]))
     large = empirical(eng.generate([PROMPT] * N, keys=[f"b{i}" for i in range(N)]))
     assert tv(large, p_target) < 0.7 * tv(small, p_target)  # error shrinks with samples ...
@@ -99,7 +99,7 @@ def test_convergence_is_to_target_not_draft(models):
 def test_seeded_rows_repeat_and_do_not_depend_on_batch(models):
     target, draft = models
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=9)
-    spec = SpecConfig(num_draft_tokens=3)
+    spec = SpecConfig(num_draft_tokens=3, draft_length="fixed")
     prompts = [PROMPT, [2, 2], [7, 1, 0, 3, 3, 6], [4]] * 4
     keys = [f"k{i}" for i in range(len(prompts))]
     a = SpecEngine(pair(target, draft), sp, spec, batch_size=16).generate(prompts, keys)

@@ -3,7 +3,7 @@
 It builds the pair and the engine once, then turns shards into committed parts: read its rows,
 render prompts (a bad row becomes an error row), generate, decode, write `part-NNNNN.parquet`
 create-only. A row error is data; an engine or process failure propagates so the driver retries the
-shard on a fresh worker.
+shard on a fresh worker. The output columns are `id`, `completion` and `SampleResult.COLUMNS`.
 """
 
 from __future__ import annotations
@@ -16,29 +16,34 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import Field
 
-from jobs.inputs import Shard, read_shard, render_prompt
-from jobs.spec import JobSpec
-from jobs.storage import open_storage
+from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
 
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("completion", pa.string()),
-    ("token_ids", pa.list_(pa.int32())),
-    ("prompt_tokens", pa.int32()),
-    ("generated_tokens", pa.int32()),
-    ("finish_reason", pa.string()),
-    ("error", pa.string()),
-    ("rounds", pa.int32()),
-    ("draft_forwards", pa.int32()),
-    ("drafted_tokens", pa.int32()),
-    ("accepted_tokens", pa.int32()),
-    ("draft_lengths", pa.list_(pa.int16())),
-    ("accept_lengths", pa.list_(pa.int16())),
-    ("acceptance_rate", pa.float64()),
-    ("mean_accepted_length", pa.float64()),
-    ("wall_s", pa.float64()),
-])
+from .fetch import localize
+from .inputs import InputSpec, Shard, read_shard, render_prompt
+from .storage import open_storage
+
+_TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "generated_tokens": pa.int32(),
+          "finish_reason": pa.string(), "error": pa.string(), "rounds": pa.int32(), "draft_forwards": pa.int32(),
+          "drafted_tokens": pa.int32(), "accepted_tokens": pa.int32(), "draft_lengths": pa.list_(pa.int16()),
+          "accept_lengths": pa.list_(pa.int16()), "acceptance_rate": pa.float64(),
+          "mean_accepted_length": pa.float64(), "wall_s": pa.float64()}
+SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
+                   + [(name, _TYPES[name]) for name in SampleResult.COLUMNS])
+
+
+class WorkerSpec(Config):
+    """What a worker needs of the job (jobs.spec.JobSpec.worker_spec)."""
+
+    models: ModelsConfig
+    generation: SamplingParams
+    speculation: SpecConfig
+    input: InputSpec
+    output_path: str
+    batch_size: int = Field(ge=1)
+    gpu_memory_fraction: float = Field(gt=0.0, le=1.0)
+    use_gpu: bool
 
 
 class GenerationWorker:
@@ -48,16 +53,15 @@ class GenerationWorker:
         from specdec.engine import SpecEngine
         from specdec.models import load_pair
 
-        self.spec = JobSpec.model_validate(spec_data)
-        device = "cuda" if torch.cuda.is_available() and self.spec.resources.gpus_per_worker > 0 else "cpu"
-        target, draft = self.spec.model_sources()
-        self.pair = load_pair(target, draft, device)
+        self.spec = spec = WorkerSpec.model_validate(spec_data)
+        device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
+        self.pair = load_pair(localize(spec.models.target), localize(spec.models.draft), device)
         self.tokenizer = self.pair.tokenizer
-        res = self.spec.resources
-        self.engine = SpecEngine(self.pair, self.spec.sampling(), self.spec.spec_config(), batch_size=res.batch_size,
-                                 gpu_memory_fraction=res.gpu_memory_fraction)
+        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.batch_size,
+                                 gpu_memory_fraction=spec.gpu_memory_fraction)
+        self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
+        self.storage = open_storage(spec.output_path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.storage = open_storage(self.spec.output.path)
         self.fault_marker = fault_marker
 
     def ready(self) -> bool:
@@ -84,16 +88,9 @@ class GenerationWorker:
             os._exit(1)
         records = []
         for i, rid in enumerate(ids):
-            if i in errors:
-                rec = {"id": rid, "completion": None, "token_ids": [], "prompt_tokens": 0, "generated_tokens": 0,
-                       "finish_reason": "error", "error": errors[i], "rounds": 0, "draft_forwards": 0,
-                       "drafted_tokens": 0, "accepted_tokens": 0, "draft_lengths": [], "accept_lengths": [],
-                       "acceptance_rate": None, "mean_accepted_length": None, "wall_s": 0.0}
-            else:
-                r = results[i]
-                text = None if r.error else self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-                rec = {"id": rid, "completion": text, **r.stats()}
-            records.append(rec)
+            r = results[i] if i not in errors else SampleResult.failed(rid, 0, errors[i])
+            text = None if r.error else self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            records.append({"id": rid, "completion": text, **r.stats()})
         buf = io.BytesIO()
         pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), buf, compression="zstd")
         data = buf.getvalue()

@@ -5,7 +5,6 @@ row's prompt and output so far. Deterministic: q is a point mass, so verificatio
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .base import Draft, Proposer
 

@@ -14,8 +14,20 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from pydantic import Field
+
+from specdec.config import Config
 
 from .storage import list_input_files, open_input
+
+
+class InputSpec(Config):
+    path: str = Field(description="`.jsonl`/`.parquet` file or folder, local or `s3://bucket/key-or-prefix`")
+    id_column: str = Field("id", description="unique per row; duplicates are refused before anything runs")
+    prompt_column: str | None = Field("prompt", description="raw text, tokenized as is")
+    messages_column: str | None = Field(None, description="list of `{role, content}`, rendered with the target's "
+                                                          "chat template")
+    chat_template: bool = Field(False, description="wrap `prompt_column` text as one user message")
 
 
 class InputError(ValueError):
@@ -133,7 +145,7 @@ def _name_duplicates(files: list[str], id_column: str, suspect: set[int]) -> Non
         raise InputError(f"duplicate ids in input ({id_column!r}): {shown}{more}; ids must be unique")
 
 
-def render_prompt(row: dict, tokenizer, input_spec) -> list[int]:
+def render_prompt(row: dict, tokenizer, input_spec: InputSpec) -> list[int]:
     """Token ids for one row, or raises ValueError with the reason (which becomes the row's error)."""
     if "__error__" in row:
         raise ValueError(row["__error__"])

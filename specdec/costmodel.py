@@ -1,0 +1,144 @@
+"""What speculative rounds cost, measured and predicted (SpecDec++: T = N_draft * t_draft + N_target * t_target).
+
+A `Profile` holds seconds measured on one machine per batch-size bucket (rows rounded up to a power of
+two): the draft's work for a round of one and of two drafts, one target forward (with verification)
+per width, and what an admission costs beyond its rows' own prefill. It saves to and loads from JSON.
+
+`CostModel` predicts a round of K drafts at a bucket: the draft's work for K tokens plus the cheapest
+target forward over K + 1 tokens or a few more (verify padding). Live rounds correct the prediction
+per bucket: the length that keeps running tracks the bucket's level (machine load and growing
+contexts move every cost together); a length run after another is measured against that level, which
+corrects its own cost (medians of the last few samples: speculative rounds vary more than plain
+ones). `tokens_per_second` is what goodput maximises and what a cost estimate reports.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+def bucket(n: int) -> int:
+    """Rows rounded up to a power of two: costs are measured and kept per bucket."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def expected_tokens(rates: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the tokens a round of k drafts emits at per-token acceptance rate a: the accepted prefix
+    plus the recovered or bonus token, (1 - a^(k+1)) / (1 - a)."""
+    a = np.clip(rates, 0.0, 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass
+class Profile:
+    draft_one: dict[int, float] = field(default_factory=dict)  # bucket -> drafting 1 token (catch-up forward)
+    draft_two: dict[int, float] = field(default_factory=dict)  # bucket -> drafting 2 tokens
+    target: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> width -> seconds
+    prefill_fixed: float = 0.0  # a prefill call's cost beyond its rows' share
+    draft_prefill: float = 0.0  # one row's draft prefill
+    hardware: str = ""
+
+    def drafting(self, b: int, k: int) -> float | None:
+        """Seconds of the draft's work for k tokens at bucket b: one catch-up forward, then k - 1 steps."""
+        if k == 0:
+            return 0.0
+        b = self._near(self.draft_one, b)
+        if b is None:
+            return None
+        step = max(0.0, self.draft_two.get(b, self.draft_one[b]) - self.draft_one[b])
+        return self.draft_one[b] + (k - 1) * step
+
+    def verifying(self, b: int, width: int, pad: int = 0) -> float | None:
+        """Seconds of the target's forward over `width` tokens per row at bucket b, at the cheapest measured
+        width up to `pad` wider; beyond the widest measured, the widest (a forward never gets cheaper)."""
+        b = self._near(self.target, b)
+        if b is None:
+            return None
+        times = self.target[b]
+        reach = [t for w, t in times.items() if width <= w <= width + pad]
+        return min(reach) if reach else times[max(times)] if max(times) < width else None
+
+    def round(self, b: int, k: int, pad: int = 0) -> float | None:
+        d, v = self.drafting(b, k), self.verifying(b, k + 1, pad)
+        return None if d is None or v is None else d + v
+
+    @staticmethod
+    def _near(table: dict[int, object], b: int) -> int | None:
+        return min(table, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if table else None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        with open(path) as f:
+            data = json.load(f)
+        ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731 (JSON keys are strings)
+        return cls(draft_one=ints(data["draft_one"]), draft_two=ints(data["draft_two"]),
+                   target={int(b): ints(t) for b, t in data["target"].items()},
+                   prefill_fixed=data["prefill_fixed"], draft_prefill=data["draft_prefill"],
+                   hardware=data.get("hardware", ""))
+
+
+class CostModel:
+    samples = 3  # live samples kept per level and per correction (their median counts)
+
+    def __init__(self, profile: Profile, pad: int = 0):
+        self.profile = profile
+        self.pad = pad  # verify padding's reach (0: off)
+        self.level: dict[int, list[float]] = {}  # bucket -> live / predicted, of the running length's rounds
+        self.correction: dict[tuple[int, int], list[float]] = {}  # (bucket, K) -> live / (predicted * level)
+        self.stamp: dict[tuple[int, int], int] = {}  # (bucket, K) -> round of its last sample
+        self.last: dict[int, int] = {}  # bucket -> the K of its last sampled round
+        self.rounds = 0
+        self._base: dict[tuple[int, int], np.ndarray] = {}  # (bucket, top) -> the profile's round times
+
+    def seconds(self, n: int, k: int) -> float | None:
+        """Predicted seconds of a round of k drafts at n rows (as if its bucket were full)."""
+        t = self.seconds_upto(n, k)[k]
+        return None if np.isnan(t) else float(t)
+
+    def seconds_upto(self, n: int, top: int) -> np.ndarray:
+        """Predicted seconds of a round of k = 0..top drafts at n rows (nan where the profile cannot say)."""
+        b = bucket(n)
+        if (b, top) not in self._base:
+            rounds = [self.profile.round(b, k, self.pad) for k in range(top + 1)]
+            self._base[(b, top)] = np.array([np.nan if t is None else t for t in rounds])
+        t = self._base[(b, top)] * (statistics.median(self.level[b]) if b in self.level else 1.0)
+        for (bb, k), fix in self.correction.items():
+            if bb == b and k <= top:
+                t[k] *= statistics.median(fix)
+        return t
+
+    def observe(self, n: int, k: int, seconds: float) -> None:
+        """A live round of k drafts at n rows took `seconds`: the same length as the bucket's last sampled
+        round tracks the level; another length corrects its own cost against that level."""
+        b = bucket(n)
+        base = self.profile.round(b, k, self.pad)
+        self.rounds += 1
+        if not base:
+            return
+        fix = statistics.median(self.correction[(b, k)]) if (b, k) in self.correction else 1.0
+        if self.last.get(b, k) == k or b not in self.level:
+            keep_last(self.level.setdefault(b, []), seconds / (base * fix), self.samples)
+        else:
+            keep_last(self.correction.setdefault((b, k), []), seconds / (base * statistics.median(self.level[b])),
+                      self.samples)
+        self.last[b] = k
+        self.stamp[(b, k)] = self.rounds
+
+    def tokens_per_second(self, rates: np.ndarray, k: int, extra_seconds: float = 0.0) -> float | None:
+        """Expected emitted tokens per second of a batch whose rows accept at `rates`, at k drafts a round."""
+        t = self.seconds(len(rates), k)
+        return None if t is None else float(expected_tokens(rates, k).sum()) / (t + extra_seconds)
+
+
+def keep_last(samples: list, x, last: int) -> None:
+    """Append x to samples, keeping the last `last` of them."""
+    samples.append(x)
+    del samples[:-last]

@@ -1,0 +1,104 @@
+"""Measuring a cost profile (specdec/costmodel.py) through the engine's own code, on synthetic rows.
+
+For every batch-size bucket up to the engine's batch size: the draft's work for a round of one and of
+two drafts (`proposer.propose`) and one target forward with verification per width (`Rounds.verify`,
+which also seeds verify padding's width timings), each the minimum of `samples` runs taken back to
+back; widths are timed upwards while a length could still win at an optimistic 0.8 acceptance, given
+that drafting more never makes a round cheaper. Then a 1-row and a 2-row prefill (their difference is
+a prefill call's fixed cost) and one row's draft prefill. Rows repeat a 16-token pattern (prompt
+lookup finds full drafts in it; a model's cost does not depend on the tokens) and are cut back to
+`context` tokens after every round, so every round runs at the same length and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .batch import Batch, sync
+from .costmodel import Profile, bucket, expected_tokens
+from .proposers.base import Draft
+from .rounds import Rounds
+
+OPTIMISTIC = 0.8  # per-token acceptance the profile allows a pair it has not seen yet
+
+
+def measure(engine, context: int = 64, samples: int = 2) -> Profile:
+
+    m, cap, dev = engine.spec.max_draft_tokens, engine.batch_size, engine.device
+    g = torch.Generator().manual_seed(0)
+    pattern = torch.randint(0, engine.vocab_size, (cap, 16), generator=g)
+    prompts = pattern.repeat(1, context // 16 + 1)[:, :context].tolist()
+    batch = Batch(engine, cap, context + m + 2, policy="fixed")  # drafts on demand, prefills the draft
+    loop = Rounds(engine, batch, prompts, list(range(cap)), [None] * cap)
+    loop.admit(list(range(cap)))
+    drafting = engine.spec.method == "draft_model"
+    hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
+    profile = Profile(hardware=f"{hardware}, {next(engine.target.parameters()).dtype}")
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(samples):
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def reset(n: int) -> None:
+        batch.lens[:n] = context
+        batch.proposer.rewind(n)
+
+    def draft_seconds(n: int, k: int) -> float:
+        loop.uniforms(n)  # the draft's share of the round's uniforms, when sampling
+        t = best(lambda: batch.proposer.propose(n, np.full(n, k)))  # the draft cache's length stays as it was
+        reset(n)
+        return t
+
+    def verify_seconds(n: int, width: int) -> float:
+        k = width - 1
+        tokens = torch.randint(0, engine.vocab_size, (n, k), generator=g).to(dev)
+        q = None if engine.sampling.greedy or not drafting else \
+            torch.full((n, k, engine.vocab_size), 1.0 / engine.vocab_size, device=dev)
+        draft = Draft(tokens, torch.full((n,), k, device=dev), q)
+
+        def run():
+            loop.verify(n, draft, width, loop.uniforms(n))
+            reset(n)
+        return best(run)
+
+    for b in sorted({bucket(min(1 << i, cap)) for i in range(cap.bit_length() + 1)}):
+        n = min(b, cap)
+        if m and drafting:
+            profile.draft_one[b] = draft_seconds(n, 1)
+            profile.draft_two[b] = draft_seconds(n, 2) if m > 1 else profile.draft_one[b]
+        elif m:  # prompt lookup: drafting costs the host's lookup only, inside the round
+            profile.draft_one[b] = profile.draft_two[b] = 0.0
+        target = profile.target[b] = {}
+        for w in range(1, m + 2):
+            k = w - 1
+            if k and not worth_timing(profile, b, k):
+                break
+            target[w] = verify_seconds(n, w)
+
+    def prefill(runner, rows: int) -> float:
+        return best(lambda: batch.prefill(runner, 0, rows))
+
+    if cap > 1:
+        profile.prefill_fixed = max(0.0, 2 * prefill(batch.target, 1) - prefill(batch.target, 2))
+    if drafting:
+        profile.draft_prefill = prefill(batch.proposer.runner, 1)
+    return profile
+
+
+def worth_timing(profile: Profile, b: int, k: int) -> bool:
+    """Could k drafts win at an optimistic acceptance, at no less than the longest timed width's cost?"""
+    rate = np.array([OPTIMISTIC])
+    timed = profile.target[b]
+    top = profile.round(b, k)  # the widest timed width stands in for the untimed one: a lower bound
+    rounds = {j: profile.round(b, j) for j in range(len(timed))}
+    bar = max(float(expected_tokens(rate, j)[0]) / t for j, t in rounds.items())
+    return float(expected_tokens(rate, k)[0]) / top > bar

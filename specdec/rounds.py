@@ -1,0 +1,169 @@
+"""Rounds: admitting prompts into a batch, and the draft -> verify -> accept loop over its rows.
+
+A round reads the device back once, at its end (`Rounds.verify`); everything the host needs before
+that (lengths, K) it already knows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from . import sampling
+from .batch import Batch, _Row
+from .config import SampleResult, row_seed
+from .proposers.base import Draft
+from .verify import verify_greedy, verify_lossless
+
+
+class Rounds:
+    def __init__(self, engine, batch: Batch, prompts, keys, results):
+        self.e = engine
+        self.b = batch
+        self.prompts = prompts
+        self.keys = keys
+        self.results = results
+        sp, spec = engine.sampling, engine.spec
+        self.max_new = sp.max_new_tokens
+        self.m = spec.max_draft_tokens if spec.method != "none" else 0
+        self.random = not sp.greedy
+
+    def run(self, queue: deque) -> None:
+        b = self.b
+        while queue or b.n:
+            if queue and b.n < b.capacity:
+                self.admit([queue.popleft() for _ in range(min(b.capacity - b.n, len(queue)))])
+            b.policy.waiting = len(queue)
+            self.step()
+
+    def admit(self, indices: list[int]) -> None:
+        b = self.b
+        start, end = b.n, b.n + len(indices)
+        now = time.perf_counter()
+        b.write_rows(start, [self.prompts[i] for i in indices])
+        for slot, i in zip(range(start, end), indices):
+            p = self.prompts[i]
+            gen = None
+            if self.random:
+                gen = torch.Generator().manual_seed(row_seed(self.e.sampling.seed, self.keys[i]))
+            b.rows[slot] = _Row(i, SampleResult(key=self.keys[i], prompt_tokens=len(p)), list(p), gen, now)
+        b.prefill(b.target, start, end)
+        b.proposer.admit(start, end)
+        b.policy.admit(start, end)
+        b.n = end
+
+    def step(self) -> None:
+        b = self.b
+        n, m = b.n, self.m
+        rows = b.rows[:n]
+        if m:
+            room = np.array([self.max_new - r.result.generated_tokens - 1 for r in rows], dtype=np.int64)
+            limits = np.minimum(np.clip(b.policy.limits(n), 0, m), room)
+        else:
+            limits = np.zeros(n, dtype=np.int64)
+        draft, (acc_l, new_l, len_l), trial = self.round(n, limits)
+        if trial:
+            b.policy.untimed()  # a trial of a verify width: no sample of what its length costs
+        b.policy.observe(n, len_l, acc_l)  # after the read-back: a GPU's round is complete
+        finished = []
+        for i, row in enumerate(rows):
+            res = row.result
+            a = int(acc_l[i])
+            emitted = new_l[i][: a + 1]
+            cut = len(emitted)
+            for j, t in enumerate(emitted):
+                if t in self.e.stop_ids:
+                    cut = j + 1
+                    res.finish_reason = "stop"
+                    break
+            room = self.max_new - res.generated_tokens
+            if cut >= room:
+                if cut > room or res.finish_reason != "stop":
+                    res.finish_reason = "length"
+                cut = room
+            emitted = emitted[:cut]
+            res.token_ids.extend(emitted)
+            row.tokens.extend(emitted)
+            res.rounds += 1
+            res.draft_forwards += draft.forwards
+            res.draft_lengths.append(int(len_l[i]))
+            res.accept_lengths.append(min(a, cut))
+            if res.finish_reason == "stop" or res.generated_tokens >= self.max_new:
+                finished.append(i)
+        for i in reversed(finished):  # descending: the last active row is never a finished one
+            self.retire(i)
+
+    def round(self, n: int, limits: np.ndarray):
+        """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n). Returns
+        the draft, the round's host read-back (accepted, tokens, draft lengths) and whether verification
+        ran at a width only to time it."""
+        u = self.uniforms(n)
+        draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
+        k = draft.tokens.shape[1]
+        widths = self.e.widths
+        trial = widths is not None and widths.untimed(n, k + 1) is not None  # choose() explores it
+        width = widths.choose(n, k + 1) if widths else k + 1  # >= k+1: a cheaper shape, if measured
+        host = self.verify(n, draft, width, u)
+        return draft, host, trial
+
+    def uniforms(self, n: int) -> torch.Tensor | None:
+        """This round's uniforms of rows [0, n) (None when greedy): the draft's first m, the verdict's m + 1.
+        A fixed count per row and round, so a row's stream does not depend on its batch."""
+        if not self.random:
+            return None
+        u = sampling.uniforms([r.generator for r in self.b.rows[:n]], 2 * self.m + 1, self.b.device)
+        self.b.u_draft = u[:, : self.m]
+        return u
+
+    def verify(self, n: int, draft: Draft, width: int, u: torch.Tensor | None):
+        """One target forward over [pending, x_1..x_k] (padded with junk to `width` >= k + 1), the
+        verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's one read-back
+        of the device; returns host arrays of accepted [n], of the round's tokens x_1..x_a, y per row
+        (as lists; stale past a + 1) and of the draft lengths [n]."""
+        b, e = self.b, self.e
+        dev, m, k = b.device, self.m, draft.tokens.shape[1]
+        t_verify = time.perf_counter()
+        lens = b.lens[:n].copy()
+        seq_len = b.to_device(lens)
+        ar = torch.arange(n, device=dev)
+        pending = b.seq[ar, seq_len - 1]
+        tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
+        tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
+        positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
+        logits, _ = b.target.step(tokens_in, positions, int(lens.max()) - 1 + width)
+        logits = logits[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
+        if u is not None:
+            p = sampling.probs(logits, e.sampling)
+            verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
+        else:
+            verdict = verify_greedy(logits, draft.tokens, draft.lengths)
+
+        accepted = verdict.accepted
+        new = torch.cat([draft.tokens, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
+        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
+        write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
+        b.seq[:n].scatter_(1, write_pos, new)
+
+        out = torch.cat([accepted[:, None], draft.lengths[:, None], new], dim=1).cpu().numpy()  # the read-back
+        accepted_h, lengths_h = out[:, 0], out[:, 1]
+        b.lens[:n] = lens + accepted_h + 1
+        b.proposer.commit(n, lens, accepted_h)
+        if e.widths:
+            e.widths.observe(n, width, time.perf_counter() - t_verify)
+        return accepted_h, out[:, 2:].tolist(), lengths_h
+
+    def retire(self, slot: int) -> None:
+        b = self.b
+        row = b.rows[slot]
+        row.result.wall_s = time.perf_counter() - row.t0
+        if row.result.finish_reason not in ("stop", "length"):
+            row.result.finish_reason = "length"
+        self.results[row.index] = row.result
+        b.policy.retire(slot)
+        last = b.n - 1
+        b.move_row(last, slot)
+        b.rows[last] = None
+        b.n = last

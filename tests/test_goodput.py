@@ -1,0 +1,220 @@
+"""goodput and its cost model: predictions from a profile, corrections from live rounds, the lengths
+they settle on when driven on a fake clock, and goodput in the engine (lossless, profiled once)."""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+
+import specdec.goodput as goodput_mod
+from engine_models import MAX_NEW, check_stats, pair, run
+from specdec.config import SamplingParams, SpecConfig
+from specdec.costmodel import CostModel, Profile, expected_tokens
+from specdec.engine import SpecEngine
+from specdec.goodput import GoodputLength, GoodputMemory
+from specdec.policy import Slots
+
+
+def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:
+    """A profile whose round of K costs cost[K] at every bucket (the target forward of width K + 1 carries
+    it all; drafting is free)."""
+    return Profile(draft_one={b: 0.0 for b in buckets}, draft_two={b: 0.0 for b in buckets},
+                   target={b: {k + 1: t for k, t in cost.items()} for b in buckets}, prefill_fixed=fixed,
+                   draft_prefill=0.01)
+
+
+def policy(profile: Profile, n: int = 8, m: int | None = None) -> GoodputLength:
+    m = m if m is not None else max(len(t) for t in profile.target.values()) - 1
+    pol = GoodputLength(SpecConfig(max_draft_tokens=m), Slots(n, "cpu"),
+                        {"goodput": GoodputMemory(CostModel(profile), row_tokens=64)})
+    pol.admit(0, n)
+    return pol
+
+
+def drive(pol, n, cost, rate, rounds, seed=0) -> list[int]:
+    """Run `rounds` rounds against a simulated batch: a round of K takes cost[K] seconds on the policy's
+    clock and each drafted token passes with probability `rate`; returns the K of every round."""
+    gen = np.random.default_rng(seed)
+    clock, chosen = [0.0], []
+    with mock.patch.object(goodput_mod.time, "perf_counter", lambda: clock[0]):
+        for _ in range(rounds):
+            k = pol.limits(n)
+            clock[0] += cost[k]
+            passes = gen.random((n, max(k, 1))) < rate
+            accepted = np.cumprod(passes, axis=1)[:, :k].sum(1)
+            pol.observe(n, np.full(n, k), accepted)
+            chosen.append(k)
+    return chosen
+
+
+def best_length(cost: dict[int, float], rate: float) -> int:
+    return max(cost, key=lambda k: float(expected_tokens(np.array([rate]), k)[0]) / cost[k])
+
+
+def test_profile_predicts_rounds_and_round_trips_json(tmp_path):
+    p = Profile(draft_one={1: 0.010, 8: 0.020}, draft_two={1: 0.014, 8: 0.030},
+                target={1: {1: 0.050, 2: 0.060, 3: 0.055}, 8: {1: 0.080, 2: 0.090}}, prefill_fixed=0.1,
+                draft_prefill=0.02, hardware="test")
+    assert p.drafting(1, 3) == pytest.approx(0.010 + 2 * 0.004)  # one catch-up forward, then steps
+    assert p.round(1, 1) == pytest.approx(0.010 + 0.060)
+    assert p.round(1, 1, pad=1) == pytest.approx(0.010 + 0.055)  # padding runs width 2 at width 3's cost
+    assert p.round(8, 4) == pytest.approx(0.020 + 3 * 0.010 + 0.090)  # untimed width: the widest, a lower bound
+    assert p.round(4, 1) == p.round(8, 1)  # an untimed bucket borrows the nearest one
+    p.save(str(tmp_path / "p.json"))
+    assert Profile.load(str(tmp_path / "p.json")) == p
+
+
+def test_profile_times_only_lengths_that_could_win():
+    """A longer length is timed only if it could win at an optimistic 0.8 acceptance at the cost of the
+    widest width timed so far (a round never gets cheaper by drafting more)."""
+    from specdec.profiler import worth_timing
+    # tokens per round at 0.8: K=1 1.8, K=2 2.44. Compute-bound: a draft step costs 1.5 plain rounds
+    slow = Profile(draft_one={1: 1.5}, draft_two={1: 3.0}, target={1: {1: 1.0, 2: 1.0}})
+    assert not worth_timing(slow, 1, 2)  # 2.44 / (3.0 + 1.0) < 1 token per plain round
+    cheap = Profile(draft_one={1: 0.05}, draft_two={1: 0.1}, target={1: {1: 1.0, 2: 1.0}})
+    assert worth_timing(cheap, 1, 2)  # 2.44 / 1.1 > 1.8 / 1.05
+
+
+def test_cost_model_follows_the_level_and_corrects_a_length():
+    """Rounds of the running length move every prediction together (a busier machine, longer rows); a
+    length run after another is measured against that level and corrects its own cost."""
+    model = CostModel(table_profile({0: 1.0, 1: 1.5}))
+    for _ in range(3):
+        model.observe(8, 0, 2.0)  # the machine is twice as slow as profiled
+    assert model.seconds(8, 0) == pytest.approx(2.0) and model.seconds(8, 1) == pytest.approx(3.0)
+    model.observe(8, 1, 2.4)  # K=1 costs 1.2 plain rounds, not 1.5
+    assert model.seconds(8, 1) == pytest.approx(2.4) and model.seconds(8, 0) == pytest.approx(2.0)
+    assert model.seconds(1, 0) == pytest.approx(1.0)  # another bucket keeps its own level
+
+
+@pytest.mark.parametrize("cost,rate", [
+    ({0: 1.0, 1: 1.25, 2: 1.45, 3: 1.9, 4: 2.4}, 0.7),  # K=2 earns the most per second
+    ({0: 1.0, 1: 2.0, 2: 2.6, 3: 3.2, 4: 3.8}, 0.5),  # compute-bound: every drafting length loses
+    ({0: 1.0, 1: 1.04, 2: 1.08, 3: 1.12, 4: 1.16}, 0.9),  # memory-bound and a good draft: the longest
+])
+def test_goodput_settles_on_the_length_that_earns_most_per_second(cost, rate):
+    want = best_length(cost, rate)
+    chosen = drive(policy(table_profile(cost)), 8, cost, rate, 300)
+    later = chosen[50:]
+    assert later.count(want) >= 0.85 * len(later)  # but for re-timings of close lengths
+
+
+def test_a_slow_first_measurement_does_not_lock_a_choice_in():
+    """The profile timed K=1 slowly (1.6 plain rounds); in truth it takes 1.2, and at a = 0.4 its 1.4 tokens
+    beat a plain round's one. K=1 is re-timed once stale and wins from then on."""
+    truth = {0: 1.0, 1: 1.2, 2: 2.2}
+    pol = policy(table_profile({0: 1.0, 1: 1.6, 2: 2.2}))
+    chosen = drive(pol, 8, truth, 0.4, 300)
+    assert chosen[:10] == [0] * 10  # 1.4 tokens per 1.6 s lose to 1 per 1 s, until K=1 is re-timed
+    assert chosen[150:].count(1) >= 0.85 * 150
+
+
+def test_acceptance_estimate_is_unbiased_for_long_drafts():
+    """Per-token acceptance comes from tested tokens (accepted + the first rejected one): with K=4 drafts
+    and a true rate of 0.6, accepted / drafted would say ~0.3 and shun long drafts."""
+    pol = policy(table_profile({k: 1.0 for k in range(5)}))
+    gen = np.random.default_rng(0)
+    for _ in range(400):
+        passes = gen.random((8, 4)) < 0.6
+        pol.observe(8, np.full(8, 4), np.cumprod(passes, axis=1).sum(1))
+    assert pol.rates(8).mean() == pytest.approx(0.6, abs=0.03)
+
+
+def test_goodput_charges_the_admissions_speculation_brings_on():
+    """Rows in step finish, and join, together; speculation puts them out of step, so each joins alone,
+    paying a prefill call's fixed cost. A length that wins by round times alone (K=1: 1.5 tokens for 1.2
+    plain rounds) loses where rows wait and that cost outweighs its gain, and is free of it where it
+    does not apply."""
+    cost = {0: 1.0, 1: 1.2}
+
+    def run_policy(n, waiting, fixed, in_step=True):
+        pol = policy(table_profile(cost, fixed=fixed), n=n)
+        pol.waiting = waiting
+        if not in_step:
+            pol.emitted[:n] = np.arange(n)  # rows that joined at different rounds
+        return drive(pol, n, cost, 0.5, 60)
+
+    assert run_policy(8, waiting=100, fixed=0.0).count(1) >= 50  # no fixed cost: round times decide
+    assert run_policy(8, waiting=100, fixed=2.0) == [0] * 60  # rows in step stay in step: not even a probe
+    assert run_policy(8, waiting=0, fixed=2.0) == [0] * 60  # none waits, but speculating would spread the finish
+    assert run_policy(8, waiting=0, fixed=2.0, in_step=False).count(1) >= 50  # the drain of rows out of step
+    assert run_policy(1, waiting=100, fixed=2.0).count(1) >= 50  # one row joins alone whatever the length
+
+
+@pytest.mark.parametrize("k1,moves", [(1.35, False), (1.2, True)])
+def test_rows_in_step_leave_it_only_for_a_clear_gain(k1, moves):
+    """Rows in step (all emitted as many tokens) stay at K=0 unless a drafting length earns `step_margin`
+    more per second (15%): K=1's 1.5 tokens for 1.35 plain rounds (+11%) are not enough,
+    for 1.2 (+25%) it is. Rows already apart follow the round times alone."""
+    cost = {0: 1.0, 1: k1}
+    in_step = drive(policy(table_profile(cost)), 8, cost, 0.5, 40)
+    assert (in_step.count(1) >= 35) == moves and (in_step.count(0) == 40) == (not moves)
+    apart = policy(table_profile(cost))
+    apart.emitted[:8] = np.arange(8)
+    assert drive(apart, 8, cost, 0.5, 40).count(1) >= 35  # 1.5 / 1.35 > 1: K=1 wins on round times
+
+
+@pytest.mark.parametrize("kind", ["random", "noisy", "same"])
+def test_goodput_is_lossless(target, drafts, prompts, reference, kind):
+    results = run(target, drafts[kind], prompts, bs=4, draft_length="goodput", max_draft_tokens=4)
+    assert [r.token_ids for r in results] == reference
+    for r in results:
+        check_stats(r)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
+def test_engine_profiles_once_and_a_saved_profile_replaces_the_measurement(target, drafts, prompts, reference,
+                                                                          tmp_path, method):
+    """The first generate() measures the costs of every bucket up to batch_size (draft work for 1 and 2
+    tokens, the target per width) and leaves no trace in the output; an engine given the saved profile
+    measures nothing."""
+    def engine(profile=None):
+        return SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                          SpecConfig(method=method, max_draft_tokens=4), batch_size=3, profile=profile)
+
+    eng = engine()
+    assert eng.profile is None  # nothing measured at construction
+    assert [r.token_ids for r in eng.generate(prompts)] == reference
+    p = eng.profile
+    assert eng.profile_s > 0 and set(p.target) == {1, 2, 4} == set(p.draft_one)
+    assert all(1 in widths for widths in p.target.values())  # wider ones only where a length could win
+    if method == "prompt_lookup":  # drafting is free: a round of one draft can win
+        assert all(2 in widths for widths in p.target.values())
+    assert (p.draft_prefill > 0) == (method == "draft_model")
+    p.save(str(tmp_path / "costs.json"))
+    again = engine(Profile.load(str(tmp_path / "costs.json")))
+    assert [r.token_ids for r in again.generate(prompts)] == reference
+    assert again.profile_s == 0 and again.profile == p
+
+
+@pytest.mark.parametrize("kind", ["same", "noisy"])
+def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind,
+                                                                  monkeypatch):
+    """While goodput's choice is K=0, admitted rows are not prefilled in the draft; the first drafting
+    round feeds them whole. With the target as its own draft every drafted token must then be accepted
+    (a wrong draft cache would propose other tokens), and output stays equal to plain greedy."""
+    from specdec.proposers.draft_model import DraftModelProposer
+    eng = SpecEngine(pair(target, drafts[kind]), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(max_draft_tokens=4), batch_size=3,
+                     profile=table_profile({k: 1.0 + 0.01 * k for k in range(5)}, buckets=(1, 2, 4)))
+    eng.measure_costs()
+    mem = eng.policy_memory["goodput"]
+    mem.best[4] = 0  # off when the first rows join ...
+    mem.pair[:] = [99.0, 100.0]  # ... but drafting pays from the first round
+    joined = []
+    admit = DraftModelProposer.admit
+
+    def spy(self, start, end):
+        admit(self, start, end)
+        joined.append(self.d_len[start:end].tolist())
+
+    monkeypatch.setattr(DraftModelProposer, "admit", spy)
+    results = eng.generate(prompts)
+    assert joined[0] == [0] * 3  # the first rows joined unprefilled
+    assert any(v > 0 for later in joined[1:] for v in later)  # once drafting, rows are prefilled on joining
+    assert [r.token_ids for r in results] == reference
+    for r in results:
+        check_stats(r)
+        assert r.draft_lengths[0] > 0
+    if kind == "same":
+        assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in results)

@@ -12,17 +12,20 @@ import argparse
 import json
 import sys
 
+from workers import logs
 from workers.inputs import InputError
 from workers.storage import StorageError, open_storage
 
-from .driver import MANIFEST, SUCCESS, JobError, run_job
+from .driver import MANIFEST, SUCCESS, JobError, error_counts, run_job
 from .spec import ConfigError, config_reference, load_spec
 
 
 def cmd_run(args) -> int:
     """Run a job to completion; re-running the same config resumes it (committed parts are kept)."""
+    logs.setup(args.log_level)
     spec = load_spec(args.config, args.set)
-    summary = run_job(spec, address=args.address, overwrite=args.overwrite, progress=not args.no_progress)
+    summary = run_job(spec, address=args.address, overwrite=args.overwrite, progress=not args.no_progress,
+                      log_level=args.log_level)
     rate = summary["acceptance_rate"]
     mal = summary["mean_accepted_length"]
     print(f"specbatch: {spec.name}: {summary['rows_committed']}/{summary['rows_total']} rows committed "
@@ -37,9 +40,12 @@ def cmd_run(args) -> int:
         print(f"specbatch: steps ran on the {summary['step_path']} path"
               + ("; peak GPU memory per worker: " + ", ".join(f"{w} {g:.2f} GiB" for w, g in peaks.items())
                  if peaks else ""))
+    errors = summary["errors_by_reason"]
+    if errors:
+        print("specbatch: error rows by reason: " + ", ".join(f"{k} {v}" for k, v in errors.items()))
     if args.json:
         print(json.dumps(summary))
-    return 0
+    return 3 if errors and args.fail_on_row_errors else 0
 
 
 def cmd_status(args) -> int:
@@ -55,7 +61,9 @@ def cmd_status(args) -> int:
     parts = [n for n in st.list("part-") if n.endswith(".parquet")]
     rows = sum(m["parts"].get(p, {}).get("rows", 0) for p in parts)
     state = "finished" if st.exists(SUCCESS) else "incomplete"
-    print(f"{m['name']}: {len(parts)}/{m['num_shards']} parts, {rows}/{m['input']['rows']} rows, {state}")
+    errors = error_counts({"parts": {p: m["parts"][p] for p in parts if p in m["parts"]}})
+    print(f"{m['name']}: {len(parts)}/{m['num_shards']} parts, {rows}/{m['input']['rows']} rows, {state}"
+          + ("; error rows: " + ", ".join(f"{k} {v}" for k, v in errors.items()) if errors else ""))
     return 0
 
 
@@ -91,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--overwrite", action="store_true", help="discard existing outputs at output.path first")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
+                     help="log level of the driver, the workers and Ray (credentials are redacted at every level)")
+    run.add_argument("--fail-on-row-errors", action="store_true",
+                     help="exit 3 if any row became an error row (default: 0; error rows are data)")
     run.set_defaults(fn=cmd_run)
     status = sub.add_parser("status", help=cmd_status.__doc__, description=cmd_status.__doc__)
     status.add_argument("target", help="the job's config or its output path")

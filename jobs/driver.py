@@ -1,8 +1,15 @@
 """The job driver: scan the input, hand shards to long-lived worker actors, commit, resume, report.
 
 Exactly-once: a shard's rows are fixed by the input, its part is committed create-only under a name
-made from the shard number, and a re-run skips every part already present. A worker that dies costs
-its shard a retry on a fresh worker (bounded by resources.max_retries), never a row.
+made from the shard number, and a re-run skips every part already present.
+
+Faults are Ray's to handle: workers are actors with unlimited restarts, and every call to one is
+retried up to `resources.max_retries` times if its process dies (SIGKILL, a lost node, a preemption),
+whether it was loading its models or halfway through a shard: Ray starts the process again, the
+constructor loads the models again, and the call runs again (a retried shard whose part was already
+committed returns that part). The driver adds what Ray cannot see: a worker that makes no progress
+for `resources.shard_timeout_s` is killed, which Ray then treats as any other death. A Python error in
+a worker (a bad model path, a permanent storage error) is not retried: it stops the job with its cause.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import os
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 
 import pyarrow.parquet as pq
 
@@ -25,6 +32,8 @@ from .spec import JobSpec, changed_keys
 log = logging.getLogger("specbatch")
 
 MANIFEST, SUCCESS = "_manifest.json", "_SUCCESS"
+# the manifest is rewritten at most this often (a resume re-reads the parts committed since, from the parts)
+MANIFEST_EVERY_S = 10.0
 
 
 class JobError(RuntimeError):
@@ -53,10 +62,13 @@ def _absolute(spec: JobSpec) -> JobSpec:
 
 
 def _part_info(storage, name: str) -> dict:
+    """A committed part's manifest entry, from the part itself: rows, sha256 and error rows by reason."""
     import hashlib
 
     data = storage.read_bytes(name)
-    return {"rows": pq.ParquetFile(io.BytesIO(data)).metadata.num_rows, "sha256": hashlib.sha256(data).hexdigest()}
+    errors = pq.read_table(io.BytesIO(data), columns=["error"]).column("error").to_pylist()
+    reasons = Counter(e.split(":", 1)[0] for e in errors if e)
+    return {"rows": len(errors), "sha256": hashlib.sha256(data).hexdigest(), "errors": dict(reasons)}
 
 
 def _clear(storage) -> None:
@@ -95,14 +107,14 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
     }
 
 
-def _init_ray(address: str | None) -> bool:
+def _init_ray(address: str | None, level: str = "warning") -> bool:
     """Join a cluster (address or RAY_ADDRESS) or start an embedded local one; True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    kwargs = dict(include_dashboard=False, logging_level=getattr(logging, level.upper()), log_to_driver=True)
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -117,16 +129,20 @@ class _Progress:
         self.bar = tqdm(total=total, initial=done, unit="row", disable=not enabled, file=sys.stderr,
                         dynamic_ncols=True, desc="specbatch")
         self.t0 = time.perf_counter()
-        self.tokens = self.rounds = self.drafted = self.accepted = self.rows = self.failed = 0
+        self.tokens = self.rounds = self.drafted = self.accepted = self.rows = 0
+        self.errors: Counter[str] = Counter()  # error rows by reason
         self.peaks: dict[str, int] = {}  # peak GPU memory per worker
         self.paths: set[str] = set()  # how workers ran their steps
+        self.workers: set[str] = set()  # worker processes that committed parts (restarts are new ones)
+        self.hangs = 0
 
     def add(self, res: dict) -> None:
         self.rows += res["rows"]
         self.paths.add(res["step_path"])
+        self.workers.add(res["worker"])
         if res["peak_gpu_bytes"] is not None:
             self.peaks[res["worker"]] = max(self.peaks.get(res["worker"], 0), res["peak_gpu_bytes"])
-        self.failed += res["failed"]
+        self.errors.update(res["errors"])
         self.tokens += res["generated_tokens"]
         self.rounds += res["rounds"]
         self.drafted += res["drafted_tokens"]
@@ -145,10 +161,11 @@ class _Progress:
         self.bar.close()
 
 
-def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, progress: bool = True,
+            log_level: str = "warning") -> dict:
     """Run (or resume) a job to completion; returns the summary."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError
+    from ray.exceptions import RayActorError, RayError, RayTaskError
 
     from workers.worker import GenerationWorker
 
@@ -165,55 +182,54 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
         storage.put(SUCCESS, b"")
         return _summary(manifest, prog, resumed=done_rows, ran=0)
 
-    started = _init_ray(address)
+    started = _init_ray(address, log_level)
     res = spec.resources
     gpus = spec.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
-    actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=gpus,
-                                                     max_restarts=0, max_concurrency=1)
-    fault = os.environ.get("SPECBATCH_FAULT_EXIT_ONCE")  # test hook: a worker dies mid-shard once
-    spec_data = spec.worker_spec(gpus).model_dump(mode="json")
-
-    def new_worker():
-        return actor_cls.remote(spec_data, fault)
-
-    attempts: dict[int, int] = {}
-    workers = [new_worker() for _ in range(min(res.num_workers, len(todo)))]
+    # restarts are unlimited; each call is retried max_retries times when its process dies (see the docstring)
+    env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
+    env["SPECBATCH_LOG_LEVEL"] = log_level
+    actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=gpus, max_restarts=-1,
+                                                     max_task_retries=res.max_retries, max_concurrency=2,
+                                                     runtime_env={"env_vars": env})
+    workers = [actor_cls.remote(spec.worker_spec(gpus).model_dump(mode="json"))
+               for _ in range(min(res.num_workers, len(todo)))]
+    inflight: dict = {}  # result ref -> (worker, shard)
     try:
-        for w in workers:  # fail fast, with the cause, when workers cannot even start
+        for w in workers:  # fail fast, with the cause, when workers cannot start at all
             try:
                 ray.get(w.ready.remote())
             except RayError as exc:
                 raise JobError(f"a worker failed to start: {_cause(exc)}") from None
-        inflight = {}
-        for w in workers:
+
+        def submit(w) -> None:
             if todo:
-                s = todo.popleft()
-                inflight[w.process.remote(s.to_dict())] = (w, s)
+                shard = todo.popleft()
+                inflight[w.process.remote(shard.to_dict())] = (w, shard)
+
+        for w in workers:
+            submit(w)
+        watch = _Watchdog(res.shard_timeout_s)
+        last_write = time.monotonic()
         while inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=watch.poll_s)
+            prog.hangs += watch.check(inflight, prog)
+            if not ready:
+                continue
             ref = ready[0]
             w, shard = inflight.pop(ref)
             try:
                 out = ray.get(ref)
-            except (RayActorError, RayError, GetTimeoutError) as exc:
-                attempts[shard.index] = attempts.get(shard.index, 0) + 1
-                if attempts[shard.index] > res.max_retries:
-                    raise JobError(f"shard {shard.index} ({shard.part}) failed {attempts[shard.index]} times; "
-                                   f"last error: {_cause(exc)}") from None
-                prog.bar.write(f"specbatch: shard {shard.index} failed ({_cause(exc)}); retrying "
-                               f"({attempts[shard.index]}/{res.max_retries})")
-                todo.appendleft(shard)
-                if isinstance(exc, RayActorError):  # the worker is gone: replace it
-                    ray.kill(w, no_restart=True)
-                    w = new_worker()
-                    workers.append(w)
-            else:
-                manifest["parts"][out["part"]] = {"rows": out["rows"], "sha256": out["sha256"]}
-                storage.put(MANIFEST, json.dumps(manifest, indent=2).encode())
-                prog.add(out)
-            if todo:
-                s = todo.popleft()
-                inflight[w.process.remote(s.to_dict())] = (w, s)
+            except RayTaskError as exc:  # a Python error in the worker: deterministic, not retried
+                raise JobError(f"shard {shard.index} ({shard.part}) failed: {_cause(exc)}") from None
+            except (RayActorError, RayError) as exc:
+                raise JobError(f"shard {shard.index} ({shard.part}) failed {res.max_retries + 1} times "
+                               f"(resources.max_retries); last error: {_cause(exc)}") from None
+            manifest["parts"][out["part"]] = {"rows": out["rows"], "sha256": out["sha256"], "errors": out["errors"]}
+            if time.monotonic() - last_write > MANIFEST_EVERY_S:  # not per part: that is quadratic in parts
+                storage.put(MANIFEST, json.dumps(manifest).encode())
+                last_write = time.monotonic()
+            prog.add(out)
+            submit(w)
     finally:
         prog.close()
         for w in workers:
@@ -223,17 +239,67 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 pass
         if started:
             ray.shutdown()
-    missing = [s.part for s in shards if not storage.exists(s.part)]
+    storage.put(MANIFEST, json.dumps(manifest).encode())
+    missing = [s.part for s in shards if s.part not in manifest["parts"]]
     if missing:
         raise JobError(f"parts missing after the run: {missing[:5]}")
     storage.put(SUCCESS, b"")
     return _summary(manifest, prog, resumed=done_rows, ran=prog.rows)
 
 
+class _Watchdog:
+    """Kills a worker that reports no progress (no round's tokens, no shard started) for `timeout_s`, or that
+    has not answered at all for 4 x `timeout_s` (a process hung inside native code; a restarting worker,
+    still loading its models, does not answer either): Ray then restarts it and retries its shard."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+        self.poll_s = min(30.0, timeout_s / 4) if timeout_s else None
+        self.last_check = time.monotonic()
+        self.answered: dict[int, float] = {}  # worker -> when it last answered
+
+    def check(self, inflight: dict, prog: _Progress) -> int:
+        import ray
+
+        now = time.monotonic()
+        if not self.timeout_s or now - self.last_check < self.poll_s:
+            return 0
+        self.last_check = now
+        busy = {id(w): (w, s) for w, s in inflight.values()}
+        asks = {w.progress.remote(): key for key, (w, _) in busy.items()}
+        done, _ = ray.wait(list(asks), num_returns=len(asks), timeout=min(10.0, self.poll_s))
+        stuck = {key: 0.0 for key in busy}
+        for ref in done:
+            try:
+                stuck[asks[ref]] = ray.get(ref)
+                self.answered[asks[ref]] = now
+            except Exception:
+                pass  # restarting: Ray retries its shard
+        killed = 0
+        for key, (w, shard) in busy.items():
+            silent = now - self.answered.setdefault(key, now)
+            if stuck[key] > self.timeout_s or silent > 4 * self.timeout_s:
+                why = f"made no progress for {stuck[key]:.0f}s" if stuck[key] else f"did not answer for {silent:.0f}s"
+                prog.bar.write(f"specbatch: a worker {why} on shard {shard.index} (resources.shard_timeout_s); "
+                               "restarting it, the shard is retried")
+                ray.kill(w, no_restart=False)
+                self.answered[key] = now
+                killed += 1
+        return killed
+
+
 def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     tail = [t for t in text if t.strip()][-1:] or [type(exc).__name__]
     return tail[0][:300]
+
+
+def error_counts(manifest: dict) -> dict[str, int]:
+    """Error rows by reason over every committed part."""
+    total: Counter[str] = Counter()
+    for part in manifest["parts"].values():
+        total.update(part.get("errors", {}))
+    return dict(sorted(total.items()))
 
 
 def _summary(manifest: dict, prog: _Progress, resumed: int, ran: int) -> dict:
@@ -243,7 +309,10 @@ def _summary(manifest: dict, prog: _Progress, resumed: int, ran: int) -> dict:
         "rows_committed": sum(p["rows"] for p in manifest["parts"].values()),
         "rows_from_earlier_runs": resumed,
         "rows_this_run": ran,
-        "rows_failed_this_run": prog.failed,
+        "rows_failed_this_run": sum(prog.errors.values()),
+        "errors_by_reason": error_counts(manifest),
+        "worker_processes": len(prog.workers),
+        "workers_killed_for_no_progress": prog.hangs,
         "generated_tokens": prog.tokens,
         "tokens_per_s": prog.tokens / dt if dt > 0 else 0.0,
         "mean_accepted_length": prog.tokens / prog.rounds if prog.rounds else None,

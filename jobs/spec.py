@@ -22,7 +22,7 @@ from workers.worker import WorkerSpec
 # keys that change how fast a job runs, not what it writes: changing them keeps an output resumable
 OUTPUT_NEUTRAL = ("name", "resources.num_workers", "resources.gpus_per_worker", "resources.cpus_per_worker",
                   "resources.batch_size", "resources.max_retries", "resources.gpu_memory_fraction",
-                  "speculation.verify_padding")
+                  "resources.shard_timeout_s", "speculation.verify_padding")
 
 
 class ConfigError(ValueError):
@@ -44,7 +44,10 @@ class ResourcesSpec(Config):
         "that does not fit runs with fewer rows, a prompt that cannot fit one row becomes an error row, a config "
         "that cannot fit one row of `max_new_tokens` stops the worker at start, with the figures")
     shard_size: int = Field(256, ge=1, description="rows per part")
-    max_retries: int = Field(3, ge=0, description="retries of a shard whose worker died")
+    max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
+                                                    "worker and runs the shard again)")
+    shard_timeout_s: float | None = Field(1800.0, gt=0, description="a worker that makes no progress (no tokens) "
+                                          "for this long is killed and its shard retried; null: never")
 
 
 class JobSpec(Config):

@@ -34,6 +34,8 @@ class ModelSource(Config):
                                              "AMX, float16 on older GPUs, float32 on other CPUs (where bfloat16 is "
                                              "emulated and slow); name it where parts must match bit for bit across "
                                              "machines")
+    trust_remote_code: bool = Field(False, description="run the model folder's own Python code (a model "
+                                                       "transformers does not know); off: only its weights load")
 
 
 class TargetSource(ModelSource):
@@ -151,6 +153,12 @@ class SampleResult:
         """The per-sample statistic columns (everything but id and completion), in `COLUMNS` order."""
         return {name: (list(v) if isinstance(v := getattr(self, name), list) else v) for name in self.COLUMNS}
 
+    @property
+    def error_reason(self) -> str | None:
+        """The kind of error ("empty_prompt", "prompt_too_long", ...): `error` reads "reason: detail"."""
+        return self.error.split(":", 1)[0] if self.error else None
+
     @classmethod
-    def failed(cls, key: object, prompt_tokens: int, reason: str) -> "SampleResult":
-        return cls(key=key, prompt_tokens=prompt_tokens, finish_reason="error", error=reason)
+    def failed(cls, key: object, prompt_tokens: int, error: str) -> "SampleResult":
+        """A row that could not be generated; `error` reads "reason: detail"."""
+        return cls(key=key, prompt_tokens=prompt_tokens, finish_reason="error", error=error)

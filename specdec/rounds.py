@@ -20,8 +20,9 @@ from .verify import verify_greedy, verify_lossless
 
 
 class Rounds:
-    def __init__(self, engine, batch: Batch, prompts, keys, results):
+    def __init__(self, engine, batch: Batch, prompts, keys, results, on_round=None):
         self.e = engine
+        self.on_round = on_round
         self.b = batch
         self.prompts = prompts
         self.keys = keys
@@ -64,13 +65,18 @@ class Rounds:
             limits = np.minimum(np.clip(b.policy.limits(n), 0, m), room)
         else:
             limits = np.zeros(n, dtype=np.int64)
-        draft, (acc_l, new_l, len_l), trial = self.round(n, limits)
+        draft, (acc_l, new_l, len_l, bad_l), trial = self.round(n, limits)
         if trial:
             b.policy.untimed()  # a trial of a verify width: no sample of what its length costs
         b.policy.observe(n, len_l, acc_l)  # after the read-back: a GPU's round is complete
-        finished = []
+        finished, emitted_total = [], 0
         for i, row in enumerate(rows):
             res = row.result
+            if bad_l[i]:  # this row's logits were NaN or inf: its tokens mean nothing from here on
+                res.finish_reason = "error"
+                res.error = f"non_finite_logits: the {'target' if bad_l[i] & 1 else 'draft'}'s logits held NaN or inf"
+                finished.append(i)
+                continue
             a = int(acc_l[i])
             emitted = new_l[i][: a + 1]
             cut = len(emitted)
@@ -87,6 +93,7 @@ class Rounds:
             emitted = emitted[:cut]
             res.token_ids.extend(emitted)
             row.tokens.extend(emitted)
+            emitted_total += len(emitted)
             res.rounds += 1
             res.draft_forwards += draft.forwards
             res.draft_lengths.append(int(len_l[i]))
@@ -95,11 +102,13 @@ class Rounds:
                 finished.append(i)
         for i in reversed(finished):  # descending: the last active row is never a finished one
             self.retire(i)
+        if self.on_round is not None:
+            self.on_round(emitted_total)
 
     def round(self, n: int, limits: np.ndarray):
         """Draft (at most `limits` [n] tokens per row), verify and accept one round of rows [0, n). Returns
-        the draft, the round's host read-back (accepted, tokens, draft lengths) and whether verification
-        ran at a width only to time it."""
+        the draft, the round's host read-back (accepted, tokens, draft lengths, non-finite flags) and whether
+        verification ran at a width only to time it."""
         u = self.uniforms(n)
         draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
         k = draft.tokens.shape[1]
@@ -122,7 +131,8 @@ class Rounds:
         """One target forward over [pending, x_1..x_k] (padded with junk to `width` >= k + 1), the
         verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's one read-back
         of the device; returns host arrays of accepted [n], of the round's tokens x_1..x_a, y per row
-        (as lists; stale past a + 1) and of the draft lengths [n]."""
+        (as lists; stale past a + 1), of the draft lengths [n] and of non-finite logits per row (bit 1: the
+        target's, bit 2: the draft's)."""
         b, e = self.b, self.e
         dev, m, k = b.device, self.m, draft.tokens.shape[1]
         t_verify = time.perf_counter()
@@ -135,6 +145,9 @@ class Rounds:
         positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
         logits, _ = b.target.step(tokens_in, positions, int(lens.max()) - 1 + width)
         logits = logits[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
+        bad = (~torch.isfinite(logits).flatten(1).all(1)).to(torch.int64)  # 1: the target's logits are not finite
+        if draft.bad is not None:
+            bad = bad | (draft.bad.to(torch.int64) << 1)  # 2: the draft's
         if u is not None:
             p = sampling.probs(logits, e.sampling)
             verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
@@ -147,19 +160,19 @@ class Rounds:
         write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
         b.seq[:n].scatter_(1, write_pos, new)
 
-        out = torch.cat([accepted[:, None], draft.lengths[:, None], new], dim=1).cpu().numpy()  # the read-back
+        out = torch.cat([accepted[:, None], draft.lengths[:, None], bad[:, None], new], dim=1).cpu().numpy()  # the read-back
         accepted_h, lengths_h = out[:, 0], out[:, 1]
         b.lens[:n] = lens + accepted_h + 1
         b.proposer.commit(n, lens, accepted_h)
         if e.widths:
             e.widths.observe(n, width, time.perf_counter() - t_verify)
-        return accepted_h, out[:, 2:].tolist(), lengths_h
+        return accepted_h, out[:, 3:].tolist(), lengths_h, out[:, 2]
 
     def retire(self, slot: int) -> None:
         b = self.b
         row = b.rows[slot]
         row.result.wall_s = time.perf_counter() - row.t0
-        if row.result.finish_reason not in ("stop", "length"):
+        if row.result.finish_reason not in ("stop", "length", "error"):
             row.result.finish_reason = "length"
         self.results[row.index] = row.result
         b.policy.retire(slot)

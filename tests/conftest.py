@@ -24,7 +24,9 @@ def make_tokenizer(folder: str):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    # a template that refuses an unknown role: how a real tokenizer fails on one row
+    fast.chat_template = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('unknown role') }}"
+                          "{% endif %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
                           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     fast.save_pretrained(folder)
     return fast

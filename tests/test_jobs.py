@@ -4,63 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
-import pyarrow.parquet as pq
 import pytest
-import yaml
 
+from job_helpers import COLUMNS, config, read_out, rows_of
 from jobs.cli import main as cli
 from jobs.driver import JobError, run_job
-from workers.inputs import InputError
 from jobs.spec import ConfigError, load_spec, parse_spec
-
-COLUMNS = ["id", "completion", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error",
-           "rounds", "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths",
-           "acceptance_rate", "mean_accepted_length", "wall_s"]
-TEXTS = ["the water is hot", "he said that the day was long", "how do you make a good name",
-         "write one word", "look at the little man over there and call him back", "she can find it"]
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
-
-
-def config(tmp_path, tiny_pair, rows, **over):
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    cfg = {
-        "name": "t",
-        "input": {"path": inp, "prompt_column": "prompt", "chat_template": True},
-        "output": {"path": str(tmp_path / "out")},
-        "models": {"target": {"path": tiny_pair["target"], "dtype": "float32"},
-                   "draft": {"path": tiny_pair["draft"], "dtype": "float32"}},
-        "generation": {"max_new_tokens": 12},
-        "speculation": {"method": "draft_model", "num_draft_tokens": 3},
-        "resources": {"num_workers": 2, "batch_size": 4, "shard_size": 3},
-    }
-    for key, value in over.items():
-        section, _, name = key.partition("__")
-        cfg[section][name] = value
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path), cfg
-
-
-def rows_of(n):
-    return [{"id": f"r{i}", "prompt": TEXTS[i % len(TEXTS)] + " " + " ".join(["the"] * (i % 4))} for i in range(n)]
-
-
-def read_out(folder):
-    table = pq.read_table(str(folder), schema=None)
-    return {r["id"]: r for r in table.to_pylist()}, table
-
+from workers.inputs import InputError
 
 def test_job_end_to_end(tmp_path, tiny_pair, ray_session):
     path, cfg = config(tmp_path, tiny_pair, rows_of(10))
@@ -154,7 +105,7 @@ def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
     base = load_spec(path)
     other = {"name": "'renamed'", "resources.num_workers": 3, "resources.gpus_per_worker": 1,
              "resources.cpus_per_worker": 2, "resources.batch_size": 7, "resources.max_retries": 9,
-             "resources.gpu_memory_fraction": 0.5, "speculation.verify_padding": "false"}
+             "resources.gpu_memory_fraction": 0.5, "resources.shard_timeout_s": 60, "speculation.verify_padding": "false"}
     assert set(other) == set(OUTPUT_NEUTRAL)
     for key, value in other.items():
         changed = load_spec(path, [f"{key}={value}"])
@@ -176,59 +127,6 @@ def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_sessio
     run_job(load_spec(path, ["generation.max_new_tokens=5"]), overwrite=True, progress=False)
     out, _ = read_out(tmp_path / "out")
     assert len(out) == 3 and all(r["generated_tokens"] <= 5 for r in out.values())
-
-
-def test_worker_death_costs_a_retry_not_a_row(tmp_path, tiny_pair, ray_session, monkeypatch):
-    marker = tmp_path / "died"
-    monkeypatch.setenv("SPECBATCH_FAULT_EXIT_ONCE", str(marker))
-    path, _ = config(tmp_path, tiny_pair, rows_of(9))
-    summary = run_job(load_spec(path), progress=False)
-    assert marker.exists()  # a worker really exited mid-shard
-    out, table = read_out(tmp_path / "out")
-    assert table.num_rows == 9 and len(out) == 9
-    assert summary["rows_committed"] == 9
-
-
-def run_cli(path, *extra):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def test_resume_after_driver_sigkill(tmp_path, tiny_pair):
-    rows = rows_of(40)
-    path, _ = config(tmp_path, tiny_pair, rows)
-    spec = yaml.safe_load(open(path))
-    spec["resources"] = {"num_workers": 1, "batch_size": 2, "shard_size": 2}
-    spec["generation"] = {"max_new_tokens": 40}
-    yaml.safe_dump(spec, open(path, "w"))
-    clean = dict(spec, output={"path": str(tmp_path / "clean")})
-    clean_path = tmp_path / "clean.yaml"
-    clean_path.write_text(yaml.safe_dump(clean))
-
-    proc = run_cli(path)
-    first = tmp_path / "out" / "part-00000.parquet"
-    deadline = time.time() + 240
-    while not first.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert first.exists(), proc.communicate()[0] if proc.poll() is not None else "no part after 240 s"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    committed = [n for n in os.listdir(tmp_path / "out") if n.startswith("part-")]
-    assert 0 < len(committed) < 20 and not (tmp_path / "out" / "_SUCCESS").exists()
-
-    resumed = run_cli(path)
-    log = resumed.communicate(timeout=300)[0]
-    assert resumed.returncode == 0, log
-    earlier = int(re.search(r"(\d+) from earlier runs", log).group(1))
-    assert len(committed) * 2 <= earlier < 40  # (a worker may finish its shard after the driver died)
-    done = run_cli(str(clean_path))
-    assert done.wait(timeout=300) == 0
-    out, table = read_out(tmp_path / "out")
-    ref, _ = read_out(tmp_path / "clean")
-    assert table.num_rows == 40 and len(out) == 40  # every row exactly once
-    assert {k: r["token_ids"] for k, r in out.items()} == {k: r["token_ids"] for k, r in ref.items()}
-    assert (tmp_path / "out" / "_SUCCESS").exists()
 
 
 def test_status(tmp_path, tiny_pair, ray_session, capsys):

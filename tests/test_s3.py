@@ -102,14 +102,14 @@ def test_permanent_error_is_fast_and_names_bucket_and_operation(s3_server):
 def test_transient_errors_are_retried(s3_server, monkeypatch):
     import workers.storage as storage
 
-    monkeypatch.setenv("SPECBATCH_S3_FAULTS", "put:3,get:2")
+    monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:3,get:2")
     monkeypatch.setattr(storage, "_faults", None)  # re-read the variable
     st = storage.open_storage("s3://bucket/flaky/")
     assert st.put_if_absent("p", b"data") is True
     assert st.read_bytes("p") == b"data"
     assert storage._faults.left == {"put": 0, "get": 0}  # every injected fault was hit and survived
-    monkeypatch.setenv("SPECBATCH_S3_MAX_ATTEMPTS", "2")
-    monkeypatch.setenv("SPECBATCH_S3_FAULTS", "put:5")
+    monkeypatch.setenv("SPECBATCH_STORAGE_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:5")
     monkeypatch.setattr(storage, "_faults", None)
     with pytest.raises(storage.StorageError, match="ServiceUnavailable"):
         st.put("q", b"x")
@@ -136,9 +136,9 @@ def job_config(tmp_path, tiny_pair, prefix, n_rows=12, **extra_env):
     return str(path)
 
 
-def cli(path, env_extra=None, wait=True):
+def cli(path, env_extra=None, wait=True, args=()):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
         return proc
@@ -185,7 +185,7 @@ def test_s3_job_rows_rerun_and_no_secret(tmp_path, tiny_pair, s3_server):
 
 def test_s3_job_survives_transient_failures(tmp_path, tiny_pair, s3_server):
     path = job_config(tmp_path, tiny_pair, "j2", n_rows=4)
-    log = cli(path, {"SPECBATCH_S3_FAULTS": "put:2,get:1,list:1"})
+    log = cli(path, {"SPECBATCH_STORAGE_FAULTS": "put:2,get:1,list:1"})
     assert len(read_rows("j2/out/")) == 4 and "_SUCCESS" in listing("j2/out/")
     assert SECRET not in log
 
@@ -207,3 +207,23 @@ def test_s3_job_resume_after_sigkill(tmp_path, tiny_pair, s3_server):
     rows, ref = read_rows("j3/out/"), read_rows("j3clean/out/")
     assert len(rows) == 40 and len({r["id"] for r in rows}) == 40  # each row exactly once
     assert {r["id"]: r["token_ids"] for r in rows} == {r["id"]: r["token_ids"] for r in ref}
+
+
+def test_no_credential_in_debug_logs_ray_logs_manifest_or_outputs(tmp_path, tiny_pair, s3_server):
+    """With the driver's, the workers', the AWS SDK's and Ray's debug logging on, neither the secret key
+    nor the key id appears in the job's output, Ray's session logs, the manifest or any output object."""
+    path = job_config(tmp_path, tiny_pair, "debuglog", n_rows=4)
+    log = cli(path, {"RAY_BACKEND_LOG_LEVEL": "debug"}, args=("--log-level", "debug", "--no-progress"))
+    assert "botocore" in log and "DEBUG" in log  # the SDK's debug output was really on
+    key_id = s3_server["AWS_ACCESS_KEY_ID"]
+    assert SECRET not in log and key_id not in log
+    assert "Credential=***" in log or "Authorization" not in log  # signed headers were logged, redacted
+    ray_logs = "/tmp/ray/session_latest/logs"
+    for root, _, files in os.walk(ray_logs):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                data = f.read()
+            assert SECRET.encode() not in data and key_id.encode() not in data, name
+    for key in listing("debuglog/out/"):
+        body = s3().get_object(Bucket="bucket", Key="debuglog/out/" + key)["Body"].read()
+        assert SECRET.encode() not in body and key_id.encode() not in body

@@ -10,6 +10,7 @@ them, and botocore's own debug logging is kept off.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -18,7 +19,10 @@ import tempfile
 import time
 from urllib.parse import urlparse
 
-for _name in ("botocore", "boto3", "urllib3", "s3transfer"):  # their DEBUG output includes credentials
+from . import logs
+
+logs.install_redaction()  # whoever logs in a process that touches storage: no credential in any line
+for _name in logs.QUIET:  # the AWS SDK's DEBUG output includes request headers: off unless asked for
     logging.getLogger(_name).setLevel(logging.WARNING)
 
 INPUT_SUFFIXES = (".jsonl", ".parquet")
@@ -43,24 +47,34 @@ class Storage:
 
 
 class LocalStorage(Storage):
+    """A folder. Names stay inside it (a name that resolves outside is refused); transient OS errors are
+    retried (`_local`)."""
+
     def __init__(self, root: str):
-        self.root = os.path.abspath(root)
+        self.root = os.path.realpath(root)
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.root, name)
+        path = os.path.realpath(os.path.join(self.root, name))
+        if path != self.root and not path.startswith(self.root + os.sep):
+            raise StorageError(f"{name!r} resolves outside the output folder {self.root}")
+        return path
 
     def exists(self, name):
         return os.path.exists(self._path(name))
 
     def read_bytes(self, name):
-        try:
-            with open(self._path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def _temp(self, name: str, data: bytes) -> str:
         path = self._path(name)
+
+        def read():
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        return _local("read", path, read, "get")
+
+    def _temp(self, path: str, data: bytes) -> str:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
         with os.fdopen(fd, "wb") as f:
@@ -70,17 +84,23 @@ class LocalStorage(Storage):
         return tmp
 
     def put_if_absent(self, name, data):
-        tmp = self._temp(name, data)
-        try:
-            os.link(tmp, self._path(name))
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        path = self._path(name)
+
+        def put():
+            tmp = self._temp(path, data)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+
+        return _local("write", path, put, "put")
 
     def put(self, name, data):
-        os.replace(self._temp(name, data), self._path(name))
+        path = self._path(name)
+        _local("write", path, lambda: os.replace(self._temp(path, data), path), "put")
 
     def list(self, prefix=""):
         if not os.path.isdir(self.root):
@@ -119,38 +139,69 @@ def _client():
 
 
 class _Faults:
-    """Test hook: SPECBATCH_S3_FAULTS="put:2,get:1" makes the next N calls of that kind fail as a 503
-    would, before reaching S3 (counted per process)."""
+    """Test hook: SPECBATCH_STORAGE_FAULTS="put:2,get:1" makes the next N storage calls of that kind (put, get,
+    head, list, delete) fail as a transient error would (a 503 on S3, EIO on a local disk), before reaching
+    the storage (counted per process)."""
 
     def __init__(self):
         self.left = {}
-        for part in filter(None, os.environ.get("SPECBATCH_S3_FAULTS", "").split(",")):
+        for part in filter(None, os.environ.get("SPECBATCH_STORAGE_FAULTS", "").split(",")):
             op, _, n = part.partition(":")
             self.left[op.strip()] = int(n or 1)
 
-    def check(self, op: str) -> None:
+    def fire(self, op: str) -> bool:
         if self.left.get(op, 0) > 0:
             self.left[op] -= 1
-            from botocore.exceptions import ClientError
-
-            raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "injected fault"},
-                               "ResponseMetadata": {"HTTPStatusCode": 503}}, op)
+            return True
+        return False
 
 
 _faults: _Faults | None = None
+
+
+def _fault(kind: str) -> bool:
+    global _faults
+    if _faults is None:
+        _faults = _Faults()
+    return _faults.fire(kind)
+
+
+def _attempts() -> int:
+    return int(os.environ.get("SPECBATCH_STORAGE_MAX_ATTEMPTS", "6"))
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+
+
+_TRANSIENT_ERRNO = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.EINTR, errno.ESTALE,
+                    errno.ENOTCONN, errno.ECONNRESET}
+
+
+def _local(op: str, path: str, fn, kind: str):
+    """Run a local file operation, retrying errors a network or flaky disk recovers from (EIO, ESTALE, ...)."""
+    attempts = _attempts()
+    for attempt in range(1, attempts + 1):
+        try:
+            if _fault(kind):
+                raise OSError(errno.EIO, "injected fault")
+            return fn()
+        except OSError as exc:
+            if exc.errno not in _TRANSIENT_ERRNO or attempt == attempts:
+                raise StorageError(f"{op} {path}: {exc.strerror or exc}") from None
+        _backoff(attempt)
 
 
 def _retry(op: str, what: str, fn, kind: str):
     """Run fn with exponential backoff on transient errors; permanent ones raise StorageError."""
     from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, EndpointConnectionError
 
-    global _faults
-    if _faults is None:
-        _faults = _Faults()
-    attempts = int(os.environ.get("SPECBATCH_S3_MAX_ATTEMPTS", "6"))
+    attempts = _attempts()
     for attempt in range(1, attempts + 1):
         try:
-            _faults.check(kind)
+            if _fault(kind):
+                raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "injected fault"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 503}}, op)
             return fn()
         except ClientError as exc:
             err = exc.response.get("Error", {})
@@ -162,7 +213,7 @@ def _retry(op: str, what: str, fn, kind: str):
         except (EndpointConnectionError, ConnectionError, BotoCoreError) as exc:
             if attempt == attempts:
                 raise StorageError(f"S3 {op} {what}: {type(exc).__name__} after {attempts} attempts") from None
-        time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+        _backoff(attempt)
 
 
 def _explain(code: str, message: str, what: str) -> str:

@@ -2,8 +2,9 @@
 
 It builds the pair and the engine once, then turns shards into committed parts: read its rows,
 render prompts (a bad row becomes an error row), generate, decode, write `part-NNNNN.parquet`
-create-only. A row error is data; an engine or process failure propagates so the driver retries the
-shard on a fresh worker. The output columns are `id`, `completion` and `SampleResult.COLUMNS`.
+create-only. A row error is data ("reason: detail" in its `error` column); running out of memory
+shrinks the batch; a process failure propagates, and Ray restarts the worker and retries the shard
+(jobs/driver.py). The output columns are `id`, `completion` and `SampleResult.COLUMNS`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import io
 import os
 import socket
 import time
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,6 +22,7 @@ from pydantic import Field
 
 from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
 
+from . import logs
 from .fetch import localize
 from .inputs import InputSpec, Shard, read_shard, render_prompt
 from .storage import open_storage
@@ -46,13 +49,37 @@ class WorkerSpec(Config):
     use_gpu: bool
 
 
+def fault(name: str) -> bool:
+    """Test hook: true once per marker file named by SPECBATCH_FAULT_<NAME> (created on first use), so a
+    fault fires once per test even across worker restarts."""
+    marker = os.environ.get(f"SPECBATCH_FAULT_{name}")
+    if not marker:
+        return False
+    try:  # create-only: of two workers reaching it at once, exactly one fires
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
+
+
 class GenerationWorker:
-    def __init__(self, spec_data: dict, fault_marker: str | None = None):
+    """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
+    hang checks."""
+
+    def __init__(self, spec_data: dict):
         import torch
 
         from specdec.engine import SpecEngine
         from specdec.models import load_pair
 
+        logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
+        if fault("EXIT_IN_INIT"):  # test hook: die while loading the models
+            os._exit(1)
         self.spec = spec = WorkerSpec.model_validate(spec_data)
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
         self.pair = load_pair(localize(spec.models.target), localize(spec.models.draft), device)
@@ -62,55 +89,89 @@ class GenerationWorker:
         self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output_path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.fault_marker = fault_marker
+        self._last_progress = time.monotonic()
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        return self.name
+
+    def progress(self) -> float:
+        """Seconds since this worker last made progress (a round's tokens, or a shard started)."""
+        return time.monotonic() - self._last_progress
+
+    def _tick(self, tokens: int = 0) -> None:
+        self._last_progress = time.monotonic()
 
     def process(self, shard_data: dict) -> dict:
         t0 = time.perf_counter()
+        self._tick()
+        if fault("HANG_ONCE"):  # test hook: a worker that stops making progress
+            while True:
+                time.sleep(60)
         shard = Shard(**shard_data)
         inp = self.spec.input
         columns = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column) if c]
-        rows = read_shard(shard, columns)
-        ids = [str(r.get(inp.id_column)) for r in rows]
-        prompts, errors = [], {}
-        for i, row in enumerate(rows):
+        records = read_shard(shard, inp.id_column, columns)
+        results: dict[int, SampleResult] = {}
+        prompts: dict[int, list[int]] = {}
+        for i, rec in enumerate(records):
+            if rec.error:
+                results[i] = SampleResult.failed(rec.id, 0, rec.error)
+                continue
             try:
-                prompts.append(render_prompt(row, self.tokenizer, inp))
-            except Exception as exc:  # a bad row is that row's error, never the job's
-                prompts.append([])
-                errors[i] = str(exc) or type(exc).__name__
-        todo = [i for i in range(len(rows)) if i not in errors]
-        results = dict(zip(todo, self.engine.generate([prompts[i] for i in todo], [ids[i] for i in todo])))
-        if self.fault_marker and not os.path.exists(self.fault_marker):  # test hook: die mid-shard once
-            open(self.fault_marker, "w").close()
+                prompts[i] = render_prompt(rec.row, self.tokenizer, inp)
+            except ValueError as exc:  # a bad row is that row's error, never the job's
+                results[i] = SampleResult.failed(rec.id, 0, str(exc))
+        todo = list(prompts)
+        results.update(zip(todo, self.generate([prompts[i] for i in todo], [records[i].id for i in todo])))
+        if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
-        records = []
-        for i, rid in enumerate(ids):
-            r = results[i] if i not in errors else SampleResult.failed(rid, 0, errors[i])
+        rows = []
+        for i, rec in enumerate(records):
+            r = results[i]
             text = None if r.error else self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            records.append({"id": rid, "completion": text, **r.stats()})
+            rows.append({"id": rec.id, "completion": text, **r.stats()})
         buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(records, schema=SCHEMA), buf, compression="zstd")
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
         data = buf.getvalue()
         created = self.storage.put_if_absent(shard.part, data)
         if not created:  # another attempt committed it first: that part stands, ours is dropped
             data = self.storage.read_bytes(shard.part)
-        ok = [r for r in records if r["finish_reason"] != "error"]
+        ok = [r for r in results.values() if r.finish_reason != "error"]
         return {
-            "shard": shard.index, "part": shard.part, "rows": len(records), "created": created,
+            "shard": shard.index, "part": shard.part, "rows": len(rows), "created": created,
             "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-            "failed": len(records) - len(ok),
-            "generated_tokens": sum(r["generated_tokens"] for r in ok),
-            "drafted_tokens": sum(r["drafted_tokens"] for r in ok),
-            "accepted_tokens": sum(r["accepted_tokens"] for r in ok),
-            "rounds": sum(r["rounds"] for r in ok),
+            "errors": dict(Counter(r.error_reason for r in results.values() if r.finish_reason == "error")),
+            "generated_tokens": sum(r.generated_tokens for r in ok),
+            "drafted_tokens": sum(r.drafted_tokens for r in ok),
+            "accepted_tokens": sum(r.accepted_tokens for r in ok),
+            "rounds": sum(r.rounds for r in ok),
             "wall_s": time.perf_counter() - t0,
             "worker": self.name,
             "step_path": self.engine.step_path,
             "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
+
+    def generate(self, prompts: list[list[int]], keys: list[str]) -> list[SampleResult]:
+        """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
+        keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
+        fails, as an error row."""
+        engine = self.engine
+        try:
+            inject = int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))  # test hook: batches above N rows OOM
+            if inject and min(engine.batch_size, len(prompts)) > inject:
+                raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
+            return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick)
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+        _free_memory()
+        if engine.batch_size > 1 and len(prompts) > 1:
+            engine.batch_size = max(1, min(engine.batch_size, len(prompts)) // 2)
+            return self.generate(prompts, keys)
+        if len(prompts) > 1:
+            mid = len(prompts) // 2
+            return self.generate(prompts[:mid], keys[:mid]) + self.generate(prompts[mid:], keys[mid:])
+        return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone")]
 
     def _peak_gpu_bytes(self) -> int | None:
         import torch
@@ -118,3 +179,13 @@ class GenerationWorker:
         if self.engine.device.type != "cuda":
             return None
         return torch.cuda.max_memory_allocated(self.engine.device)
+
+
+def _free_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

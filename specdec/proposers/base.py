@@ -14,6 +14,7 @@ class Draft:
     lengths: torch.Tensor  # [n] tokens proposed per row (0..K)
     q_probs: torch.Tensor | None  # [n, K, vocab] distributions the tokens were sampled from; None = point mass
     forwards: int = 0  # draft model forward passes run for this round (the whole batch takes part)
+    bad: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":

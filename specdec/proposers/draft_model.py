@@ -60,7 +60,9 @@ class DraftModelProposer(Proposer):
         seq_len = b.to_device(lens) if k_max > 1 else None
         tokens, qs = [], []
         fed = 0  # drafted tokens fed back into the draft this round
+        bad = torch.zeros(n, dtype=torch.bool, device=dev)  # non-finite draft logits (the row fails)
         for step in range(k_max):
+            bad |= ~torch.isfinite(logits).all(-1)
             if b.sampling.greedy:
                 x = logits.argmax(-1)
                 q = sampling.probs(logits, b.sampling) if policy.uses_draft_probs else None
@@ -103,7 +105,7 @@ class DraftModelProposer(Proposer):
         q_probs = torch.stack(qs, dim=1)[:, :k] if qs else None
         if q_probs is not None and q_probs.shape[-1] < b.vocab_size:  # q is zero past the draft's vocab
             q_probs = torch.nn.functional.pad(q_probs, (0, b.vocab_size - q_probs.shape[-1]))
-        return Draft(draft_tokens, lengths, q_probs, forwards)
+        return Draft(draft_tokens, lengths, q_probs, forwards, bad)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         # the draft cache is right up to the last accepted draft token it was fed

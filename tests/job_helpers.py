@@ -1,0 +1,59 @@
+"""Job-test helpers: a job config over tiny models, rows, reading the output back, running the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import yaml
+
+COLUMNS = ["id", "completion", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error",
+           "rounds", "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths",
+           "acceptance_rate", "mean_accepted_length", "wall_s"]
+TEXTS = ["the water is hot", "he said that the day was long", "how do you make a good name",
+         "write one word", "look at the little man over there and call him back", "she can find it"]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def config(tmp_path, tiny_pair, rows, **over):
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = {
+        "name": "t",
+        "input": {"path": inp, "prompt_column": "prompt", "chat_template": True},
+        "output": {"path": str(tmp_path / "out")},
+        "models": {"target": {"path": tiny_pair["target"], "dtype": "float32"},
+                   "draft": {"path": tiny_pair["draft"], "dtype": "float32"}},
+        "generation": {"max_new_tokens": 12},
+        "speculation": {"method": "draft_model", "num_draft_tokens": 3},
+        "resources": {"num_workers": 2, "batch_size": 4, "shard_size": 3},
+    }
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        cfg[section][name] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path), cfg
+
+
+def rows_of(n):
+    return [{"id": f"r{i}", "prompt": TEXTS[i % len(TEXTS)] + " " + " ".join(["the"] * (i % 4))} for i in range(n)]
+
+
+def read_out(folder):
+    table = pq.read_table(str(folder), schema=None)
+    return {r["id"]: r for r in table.to_pylist()}, table
+
+
+def run_cli(path, *extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

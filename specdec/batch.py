@@ -84,6 +84,15 @@ class Batch:
             runner.prefill(self.seq[start:end, :t], start, end)
         return lengths
 
+    def prefill_target(self, start: int, end: int, top: int = 0) -> np.ndarray | None:
+        """The target's prefill of rows [start, end); with `top` > 0, its top ids at every cached position
+        [rows, t, top] on the host (read back once per admission, not per round)."""
+        t = int(self.lens[start:end].max()) - 1
+        if t <= 0:
+            return np.zeros((end - start, 0, top), dtype=np.int64) if top else None
+        ids = self.target.prefill(self.seq[start:end, :t], start, end, top)
+        return None if ids is None else ids.cpu().numpy()
+
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:
             return

@@ -81,6 +81,14 @@ class RaggedKVCache(Cache):
             for buf in (*self.k, *self.v):
                 buf[dst, :, :length] = buf[src, :, :length]
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For rows [0, n): slot dst[i, j] takes what slot src[i, j] holds ([n, j] index tensors; every source is
+        read before any destination is written). Keeps a token tree's accepted path (specdec/trees.py)."""
+        n, j = src.shape
+        rows = torch.arange(n, device=src.device)[:, None]
+        for buf in (*self.k, *self.v):
+            buf[rows, :, dst] = buf[rows, :, src]  # [n, j, kv_heads, head_dim] gathered, then scattered
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
 
@@ -92,20 +100,22 @@ def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
 
 
 def forward_hidden(model, cache: RaggedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                   start: int, end: int, kv_len: int) -> torch.Tensor:
+                   start: int, end: int, kv_len: int, slots: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run the decoder body over rows [start, end) of `cache`; returns last hidden states [n, t, d].
 
     `kv_len` > every position (the caller knows the rows' lengths). Padding tokens (beyond a row's real
     input) get positions past its length; they write slots that are masked now and overwritten before
-    they are ever read. Positions are clamped into the buffer.
+    they are ever read. Positions are clamped into the buffer. A token tree (specdec/trees.py) gives the
+    `slots` its tokens are written at (default: their positions) and its `mask` [n, 1, t, kv_len].
     """
     positions = positions.clamp(max=cache.max_len - 1)
     kv_len = min(kv_len, cache.max_len)
-    cache.prepare(start, end, positions, kv_len)
+    cache.prepare(start, end, positions if slots is None else slots.clamp(max=cache.max_len - 1), kv_len)
     out = model.get_decoder()(
         input_ids=input_ids,
         position_ids=positions,
-        attention_mask=attention_mask(positions, kv_len),
+        attention_mask=attention_mask(positions, kv_len) if mask is None else mask[..., :kv_len],
         past_key_values=cache,
         use_cache=True,
     )

@@ -68,6 +68,37 @@ class AcceptanceHeadConfig(Config):
     threshold: float = Field(0.3, gt=0.0, lt=1.0, description="stop a row when 1 - prod P(accept) exceeds it")
 
 
+class PromptLookupConfig(Config):
+    max_ngram: int = Field(6, ge=1, le=16, description="longest n-gram of the row's prompt and output the lookup tries")
+    min_ngram: int = Field(1, ge=1, description="shortest n-gram it tries")
+    alignment_sampling: int = Field(0, ge=0, le=3, description="AASD: where a token taken from the prompt is not "
+                                    "the target's top choice at that prompt position, add up to this many of its top "
+                                    "choices as siblings (the draft becomes a token tree); 0 = plain prompt lookup")
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min_ngram > self.max_ngram:
+            raise ValueError("speculation.prompt_lookup.min_ngram exceeds speculation.prompt_lookup.max_ngram")
+        return self
+
+
+class FuzzyConfig(Config):
+    divergence: Literal["js", "kl", "tv"] = Field("js", description="`js`: Jensen-Shannon as in textbooks, 0.5 KL(p, m) "
+                                                  "+ 0.5 KL(q, m) with m = (p + q) / 2, in nats; `kl`: KL(p, q); `tv`: "
+                                                  "half the L1 distance; p, q: softmax of the target's and the draft's "
+                                                  "raw logits")
+    threshold: float = Field(0.3, ge=0.0, description="accept a drafted token when the divergence is at most this")
+
+
+class ConditionalConfig(Config):
+    alpha: float = Field(0.1, ge=0.0, description="entropy weight of the threshold: p(x) >= min(alpha H(p) + beta, max p)")
+    beta: float = Field(0.1, ge=0.0, description="its floor; beta >= 1 is strict greedy verification")
+
+
+_MOVED = {"prompt_lookup_max_ngram": "speculation.prompt_lookup.max_ngram",
+          "prompt_lookup_min_ngram": "speculation.prompt_lookup.min_ngram"}
+
+
 class SpecConfig(Config):
     method: Method = Field("draft_model", description="`none` (plain decoding), `draft_model`, `prompt_lookup`")
     draft_length: DraftLength = Field("goodput", description="`goodput` (one K per round for the whole batch, "
@@ -75,7 +106,10 @@ class SpecConfig(Config):
                                       "`confidence`, `acceptance_head`")
     num_draft_tokens: int = Field(2, ge=0, description="K of `fixed`, and where `heuristic` starts")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy")
-    verification: Verification = Field("lossless", description="only `lossless` for now")
+    verification: Verification = Field("lossless", description="`lossless` (the target's own distribution), or "
+                                       "relaxed, opt-in and measured (bench/quality.py): `fuzzy` (FSD, `draft_model`: "
+                                       "accept where the models' distributions are close) or `conditional` (AASD, "
+                                       "`prompt_lookup`: accept a token from the prompt the target finds likely enough)")
     confidence_threshold: float = Field(0.4, gt=0.0, lt=1.0, description="`confidence`: stop a row's draft after a "
                                         "token the draft gave less than this probability")
     acceptance_head: AcceptanceHeadConfig | None = Field(None, description="`{path, threshold}` for "
@@ -85,21 +119,50 @@ class SpecConfig(Config):
     draft_vocab: int = Field(0, ge=0, description="the draft scores only its first N token ids (0 = all); lossless")
     verify_padding: bool = Field(True, description="verify over a wider window when that width was measured "
                                                    "cheaper (never changes output)")
-    prompt_lookup_max_ngram: int = Field(3, ge=1, description="longest n-gram prompt lookup tries")
-    prompt_lookup_min_ngram: int = Field(1, ge=1, description="shortest n-gram prompt lookup tries")
+    prompt_lookup: PromptLookupConfig = Field(PromptLookupConfig(), description="`{max_ngram, min_ngram, "
+                                              "alignment_sampling}` of `prompt_lookup`")
+    fuzzy: FuzzyConfig | None = Field(None, description="`{divergence, threshold}` of `verification: fuzzy`")
+    conditional: ConditionalConfig | None = Field(None, description="`{alpha, beta}` of `verification: conditional`")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data):
+        for old, new in _MOVED.items():
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"speculation.{old} is now {new}")
+        return data
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.verification != "lossless":
-            raise ValueError(f"speculation.verification {self.verification!r} is not available yet; use lossless")
+        needs = {"fuzzy": "draft_model", "conditional": "prompt_lookup"}.get(self.verification)
+        if needs and self.method != needs:
+            raise ValueError(f"speculation.verification {self.verification} needs speculation.method {needs} "
+                             f"(not {self.method})")
+        for name in ("fuzzy", "conditional"):
+            if getattr(self, name) is not None and self.verification != name:
+                raise ValueError(f"speculation.{name} is set but speculation.verification is {self.verification}")
         if self.draft_length in ("fixed", "heuristic") and self.num_draft_tokens > self.max_draft_tokens:
             raise ValueError("speculation.num_draft_tokens must not exceed speculation.max_draft_tokens")
         if self.draft_length == "acceptance_head" and self.acceptance_head is None:
             raise ValueError("speculation.draft_length acceptance_head needs speculation.acceptance_head.path "
                              "(make one with `specbatch train-head`)")
-        if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
-            raise ValueError("speculation.prompt_lookup_min_ngram exceeds prompt_lookup_max_ngram")
         return self
+
+    @property
+    def fuzzy_rule(self) -> FuzzyConfig | None:
+        return (self.fuzzy or FuzzyConfig()) if self.verification == "fuzzy" else None
+
+    @property
+    def conditional_rule(self) -> tuple[float, float] | None:
+        c = (self.conditional or ConditionalConfig()) if self.verification == "conditional" else None
+        return (c.alpha, c.beta) if c else None
+
+    @property
+    def max_nodes(self) -> int:
+        """The most draft tokens (tree nodes) one row can propose in a round."""
+        if self.method == "prompt_lookup":
+            return self.max_draft_tokens * (1 + self.prompt_lookup.alignment_sampling)
+        return self.max_draft_tokens
 
 
 def row_seed(seed: int, key: object) -> int:
@@ -115,7 +178,7 @@ class SampleResult:
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds", "draft_forwards",
         "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths", "acceptance_rate",
-        "mean_accepted_length", "wall_s")
+        "mean_accepted_length", "verification", "wall_s")
 
     key: object
     prompt_tokens: int
@@ -126,6 +189,7 @@ class SampleResult:
     draft_forwards: int = 0  # draft forwards this row took part in (0 for prompt lookup / none)
     draft_lengths: list[int] = field(default_factory=list)  # per round: tokens proposed
     accept_lengths: list[int] = field(default_factory=list)  # per round: tokens accepted
+    verification: str | None = None  # the rule that accepted its tokens: lossless, fuzzy or conditional
     wall_s: float = 0.0
 
     @property

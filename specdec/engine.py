@@ -116,11 +116,11 @@ class SpecEngine:
         caches as free (a new allocation replaces them)."""
         freed = sum(r.cache.nbytes() for r in self._runners.values())
         return memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, rows,
-                           self.spec.max_draft_tokens + 1, self.vocab_size, freed)
+                           self.spec.max_nodes + 1, self.vocab_size, freed)
 
     def row_tokens(self, prompt_tokens: int) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
-        return prompt_tokens + self.sampling.max_new_tokens + self.spec.max_draft_tokens + 2
+        return prompt_tokens + self.sampling.max_new_tokens + self.spec.max_nodes + 2
 
     def plan_check(self) -> None:
         """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""
@@ -144,7 +144,7 @@ class SpecEngine:
         self._runners.clear()
         # room to grow: a power of two of slots (within the models' positions, plus the draft's slack), and one
         # more, so that no attention window (a power of two, specdec/runner.py) spans the whole buffer
-        max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_draft_tokens + 2)) + 1
+        max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_nodes + 2)) + 1
         for name, model in self._models().items():
             cache = RaggedKVCache(model, rows, max_len)
             self._runners[name] = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path,

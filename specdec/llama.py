@@ -198,20 +198,25 @@ def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
 
 
 def forward(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens: torch.Tensor,
-            positions: torch.Tensor, kv_len: int, layer_fn=layer_forward) -> torch.Tensor:
+            positions: torch.Tensor, kv_len: int, layer_fn=layer_forward, slots: torch.Tensor | None = None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Hidden states [n, t, d] after the final norm, for cache rows [0, n).
 
     k_cache, v_cache: per layer [rows >= n, kv_heads, max_len, head_dim]; token j of row i is written at
     slot positions[i, j] (clamped into the buffer) and attends to slots 0..positions[i, j] of its row,
     among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn` runs each layer
     (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
-    function serves them all).
+    function serves them all). A token tree (specdec/trees.py) gives the `slots` its tokens are written at
+    (default: their positions) and its own `mask` [n, 1, t, >= kv_len].
     """
     positions = positions.clamp(max=k_cache[0].shape[2] - 1)
-    cos, sin, mask = _rope_and_mask(w, positions, kv_len)
+    cos, sin, causal = _rope_and_mask(w, positions, kv_len)
+    if mask is not None:
+        causal = mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1)
+    slots = positions if slots is None else slots.clamp(max=k_cache[0].shape[2] - 1)
     x = w.embed[tokens]
     for layer, kc, vc in zip(w.layers, k_cache, v_cache):
-        x = layer_fn(x, layer, kc, vc, positions, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
+        x = layer_fn(x, layer, kc, vc, slots, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)
 
 

@@ -12,11 +12,11 @@ from collections import deque
 import numpy as np
 import torch
 
-from . import sampling
+from . import sampling, trees
 from .batch import Batch, _Row
 from .config import SampleResult, row_seed
 from .proposers.base import Draft
-from .verify import verify_greedy, verify_lossless
+from .verify import verify_fuzzy, verify_greedy, verify_lossless
 
 
 class Rounds:
@@ -50,9 +50,10 @@ class Rounds:
             gen = None
             if self.random:
                 gen = torch.Generator().manual_seed(row_seed(self.e.sampling.seed, self.keys[i]))
-            b.rows[slot] = _Row(i, SampleResult(key=self.keys[i], prompt_tokens=len(p)), list(p), gen, now)
-        b.prefill(b.target, start, end)
-        b.proposer.admit(start, end)
+            result = SampleResult(key=self.keys[i], prompt_tokens=len(p), verification=self.e.spec.verification)
+            b.rows[slot] = _Row(i, result, list(p), gen, now)
+        top = b.prefill_target(start, end, b.proposer.prefill_top)
+        b.proposer.admit(start, end, top)
         b.policy.admit(start, end)
         b.n = end
 
@@ -112,7 +113,7 @@ class Rounds:
         u = self.uniforms(n)
         draft = self.b.proposer.propose(n, limits) if self.m else Draft.empty(n, self.b.device)
         k = draft.tokens.shape[1]
-        widths = self.e.widths
+        widths = self.e.widths if draft.parent is None else None  # a tree's forward is as wide as the tree
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # choose() explores it
         width = widths.choose(n, k + 1) if widths else k + 1  # >= k+1: a cheaper shape, if measured
         host = self.verify(n, draft, width, u)
@@ -134,30 +135,36 @@ class Rounds:
         (as lists; stale past a + 1), of the draft lengths [n] and of non-finite logits per row (bit 1: the
         target's, bit 2: the draft's)."""
         b, e = self.b, self.e
-        dev, m, k = b.device, self.m, draft.tokens.shape[1]
+        dev, k = b.device, draft.tokens.shape[1]
         t_verify = time.perf_counter()
         lens = b.lens[:n].copy()
         seq_len = b.to_device(lens)
         ar = torch.arange(n, device=dev)
         pending = b.seq[ar, seq_len - 1]
         tokens_in = torch.cat([pending[:, None], draft.tokens], dim=1)  # [n, k+1]
-        tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))  # junk past the draft, if padded
-        positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
-        logits, _ = b.target.step(tokens_in, positions, int(lens.max()) - 1 + width)
+        kv_len = int(lens.max()) - 1 + width
+        if draft.parent is None:  # chains, padded with junk to `width`
+            tokens_in = torch.nn.functional.pad(tokens_in, (0, width - k - 1))
+            positions = (seq_len - 1)[:, None] + torch.arange(width, device=dev)[None, :]
+            logits, _ = b.target.step(tokens_in, positions, kv_len)
+        else:  # token trees: node j at slot base + j, position base + depth, seeing its ancestors
+            positions, slots, mask = trees.tree_inputs(draft.parent, draft.depth, seq_len - 1, kv_len, draft.max_depth)
+            logits, _ = b.target.step(tokens_in, positions, kv_len, slots=slots, mask=mask)
         logits = logits[:, : k + 1, : e.vocab_size]  # [n, k+1, vocab]
         bad = (~torch.isfinite(logits).flatten(1).all(1)).to(torch.int64)  # 1: the target's logits are not finite
         if draft.bad is not None:
             bad = bad | (draft.bad.to(torch.int64) << 1)  # 2: the draft's
-        if u is not None:
-            p = sampling.probs(logits, e.sampling)
-            verdict = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
-        else:
-            verdict = verify_greedy(logits, draft.tokens, draft.lengths)
+        accepted, next_token, path = self.verdict(logits, draft, u)
 
-        accepted = verdict.accepted
-        new = torch.cat([draft.tokens, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
-        new.scatter_(1, accepted[:, None], verdict.next_token[:, None])  # x_1..x_a, y, (stale)
-        write_pos = (seq_len[:, None] + torch.arange(k + 1, device=dev)[None, :]).clamp(max=b.max_len - 1)
+        new = draft.tokens
+        if path is not None:  # keep the accepted path: its tokens, and its keys and values moved into place
+            d = path.shape[1]
+            base = (seq_len - 1)[:, None]
+            b.target.cache.move_slots(base + path, base + torch.arange(1, d + 1, device=dev)[None, :])
+            new = draft.tokens.gather(1, (path - 1).clamp(min=0))
+        new = torch.cat([new, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
+        new.scatter_(1, accepted[:, None], next_token[:, None])  # x_1..x_a, y, (stale)
+        write_pos = (seq_len[:, None] + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=b.max_len - 1)
         b.seq[:n].scatter_(1, write_pos, new)
 
         out = torch.cat([accepted[:, None], draft.lengths[:, None], bad[:, None], new], dim=1).cpu().numpy()  # the read-back
@@ -167,6 +174,33 @@ class Rounds:
         if e.widths:
             e.widths.observe(n, width, time.perf_counter() - t_verify)
         return accepted_h, out[:, 3:].tolist(), lengths_h, out[:, 2]
+
+    def verdict(self, logits: torch.Tensor, draft: Draft, u: torch.Tensor | None):
+        """The verification rule of this engine for `draft`: accepted [n], the next token [n], and for a token
+        tree its accepted path [n, depth] (None for chains). Prompt lookup goes through the tree rule (a chain
+        is a tree) so that conditional verification applies to it; the draft model's tokens through the
+        lossless rule (or FSD's fuzzy one)."""
+        spec, sp, m = self.e.spec, self.e.sampling, self.m
+        n, k = draft.tokens.shape
+        if draft.parent is not None or spec.method == "prompt_lookup":
+            if draft.parent is None:
+                parent, depth = trees.chain(n, k, logits.device)
+                d = k
+            else:
+                parent, depth, d = draft.parent, draft.depth, draft.max_depth
+            v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, sp,
+                                  None if u is None else u[:, m : m + d + 1], draft.relaxed, spec.conditional_rule)
+            return v.accepted, v.next_token, (v.path if draft.parent is not None else None)
+        if spec.fuzzy_rule is not None and k:
+            rule = spec.fuzzy_rule
+            v = verify_fuzzy(logits, draft.tokens, draft.lengths, draft.raw_q, rule.divergence, rule.threshold, sp,
+                             None if u is None else u[:, 2 * m])
+        elif u is not None:
+            p = sampling.probs(logits, sp)
+            v = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
+        else:
+            v = verify_greedy(logits, draft.tokens, draft.lengths)
+        return v.accepted, v.next_token, None
 
     def retire(self, slot: int) -> None:
         b = self.b

@@ -60,37 +60,46 @@ class ModelRunner:
             return "graphs"
         return "lean" if self.lean is not None else "generic"
 
-    def prefill(self, tokens: torch.Tensor, start: int, end: int) -> None:
+    def prefill(self, tokens: torch.Tensor, start: int, end: int, top: int = 0) -> torch.Tensor | None:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
-        junk past their length, masked until overwritten)."""
+        junk past their length, masked until overwritten). With `top` > 0, returns the model's `top` most
+        likely next ids at every position [end - start, t, top]."""
         if self.lean is not None:
             rows = torch.arange(start, end, device=self.device)
-            llama.prefill(self.lean, self.cache.k, self.cache.v, tokens, rows)
+            hidden = llama.prefill(self.lean, self.cache.k, self.cache.v, tokens, rows)
         else:
             t = tokens.shape[1]
             positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
-            forward_hidden(self.model, self.cache, tokens, positions, start, end, t)
+            hidden = forward_hidden(self.model, self.cache, tokens, positions, start, end, t)
+        if not top:
+            return None
+        # a chunk of positions at a time: [rows, chunk, vocab] logits stay near 64M floats
+        chunk = max(1, (1 << 26) // (hidden.shape[0] * self.head_weight.shape[0]))
+        return torch.cat([F.linear(h, self.head_weight, self.head_bias).topk(top, dim=-1).indices
+                          for h in hidden.split(chunk, dim=1)], dim=1)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-             last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, last: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward rows [0, n) (tokens, positions [n, t]; every position < kv_len). Returns logits at every
         position [n, t, vocab] and the hidden states [n, t, d]; or, given `last` [n], each row's logits
         [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
-        next step of the same shape."""
+        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/trees.py;
+        it runs eagerly)."""
         n, t = tokens.shape
-        if self.graphs is None or t > self.max_graph_width:
-            return self._step(tokens, positions, last, kv_len=min(kv_len, self.cache.max_len))
+        if self.graphs is None or t > self.max_graph_width or mask is not None:
+            return self._step(tokens, positions, last, kv_len=min(kv_len, self.cache.max_len), slots=slots, mask=mask)
         rows = min(pow2_at_least(n), self.cache.rows)
         kv = min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len)
         inputs = (tokens, positions) if last is None else (tokens, positions, last)
         logits, hidden = self.graphs.run((rows, t, kv, last is None), partial(self._step, kv_len=kv), rows, *inputs)
         return logits[:n], hidden[:n]
 
-    def _step(self, tokens, positions, last=None, *, kv_len: int):
+    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None):
         if self.lean is not None:
-            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len, self.layer)
+            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len, self.layer,
+                                   slots, mask)
         else:
-            hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len)
+            hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
         return F.linear(hidden, self.head_weight, self.head_bias), hidden

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sampling
+from .config import SamplingParams
 
 
 @dataclass
@@ -76,4 +77,39 @@ def verify_lossless(
     else:
         dist = base
     next_token = sampling.sample(dist, u_sample)
+    return Verdict(accepted, next_token)
+
+
+def divergence(p: torch.Tensor, q: torch.Tensor, kind: str) -> torch.Tensor:
+    """Div(p, q) over the last axis, in nats: `js` the textbook Jensen-Shannon 0.5 KL(p||m) + 0.5 KL(q||m),
+    m = (p + q) / 2 (FSD's reference code computes 0.5 KL(m||p) + 0.5 KL(m||q) instead, which is infinite
+    where one model gives a token zero probability); `kl` KL(p||q); `tv` half the L1 distance."""
+    if kind == "tv":
+        return 0.5 * (p - q).abs().sum(-1)
+    xlogy = torch.special.xlogy
+    if kind == "kl":
+        return (xlogy(p, p) - xlogy(p, q)).sum(-1)
+    m = 0.5 * (p + q)
+    return 0.5 * (xlogy(p, p) - xlogy(p, m)).sum(-1) + 0.5 * (xlogy(q, q) - xlogy(q, m)).sum(-1)
+
+
+def verify_fuzzy(
+    target_logits: torch.Tensor,  # [n, K+1, vocab]
+    draft_tokens: torch.Tensor,  # [n, K]
+    lengths: torch.Tensor,  # [n]
+    raw_q: torch.Tensor,  # [n, K, vocab] softmax of the draft's raw logits
+    kind: str,
+    threshold: float,
+    sp: SamplingParams,
+    u_sample: torch.Tensor | None,  # [n] (None when greedy)
+) -> Verdict:
+    """Fuzzy speculative decoding (FSD): accept x_i while Div(p_i, q_i) <= threshold, p and q the models' raw
+    distributions (softmax of the logits, temperature 1, as FSD's reference); the first rejected position,
+    or the one after the last draft token, emits the target's own token there: its argmax when greedy, a
+    sample of its sampling distribution otherwise (not the residual)."""
+    n, k = draft_tokens.shape
+    p = torch.softmax(target_logits[:, :k].float(), dim=-1)
+    accepted = _leading(divergence(p, raw_q, kind) <= threshold, lengths)
+    at = target_logits[torch.arange(n, device=target_logits.device), accepted]  # [n, vocab]
+    next_token = at.argmax(-1) if sp.greedy else sampling.sample(sampling.probs(at, sp), u_sample)
     return Verdict(accepted, next_token)

@@ -1,6 +1,5 @@
 """Engine invariants: greedy losslessness, acceptance extremes, stats, stops, bad prompts."""
 
-import numpy as np
 import pytest
 
 from engine_models import MAX_NEW, check_stats, pair, run, tiny_llama
@@ -45,12 +44,21 @@ def test_prompt_lookup_is_lossless_and_accepts(target, prompts):
 
 
 def test_lookup_takes_latest_longest_match():
-    from specdec.proposers.prompt_lookup import lookup
-    seq = np.array([1, 2, 3, 9, 9, 2, 3, 4, 5, 7, 2, 3])
+    from specdec.proposers.prompt_lookup import NgramPool
+
+    def lookup(seq, k, max_ngram, min_ngram):
+        start = NgramPool(max_ngram, min_ngram).lookup(list(seq), k)
+        return [] if start is None else list(seq[start : start + k])
+
+    seq = [1, 2, 3, 9, 9, 2, 3, 4, 5, 7, 2, 3]
     assert lookup(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]  # latest "2 3" is followed by 4 5 7
-    assert lookup(np.array([7, 1, 2, 8, 8, 1, 2]), 2, 3, 1) == [8, 8]
-    assert lookup(np.array([1, 2, 3]), 4, 3, 1) == []  # no earlier occurrence of any suffix
-    assert lookup(np.array([5, 1, 5]), 4, 3, 2) == []  # min_ngram 2: a 1-gram hit does not count
+    assert lookup([7, 1, 2, 8, 8, 1, 2], 2, 3, 1) == [8, 8]
+    assert lookup([1, 2, 3], 4, 3, 1) == []  # no earlier occurrence of any suffix
+    assert lookup([5, 1, 5], 4, 3, 2) == []  # min_ngram 2: a 1-gram hit does not count
+    pool = NgramPool(6, 1)  # incremental: what was indexed stays, new tokens add their n-grams
+    pool.extend([4, 5, 6])
+    assert pool.lookup([4, 5, 6, 1, 4, 5], 2) == 2  # "4 5" -> 6, indexed when 6 was appended
+    assert pool.lookup([4, 5, 6, 1, 4, 5, 9, 1, 4], 3) == 5  # the latest "1 4" now: followed by 5 at index 5
 
 
 def test_more_rows_than_batch_and_per_row_lengths(target, drafts, prompts, reference):

@@ -204,8 +204,8 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
     joined = []
     admit = DraftModelProposer.admit
 
-    def spy(self, start, end):
-        admit(self, start, end)
+    def spy(self, start, end, target_top=None):
+        admit(self, start, end, target_top)
         joined.append(self.d_len[start:end].tolist())
 
     monkeypatch.setattr(DraftModelProposer, "admit", spy)

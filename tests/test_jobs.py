@@ -28,7 +28,9 @@ def test_job_end_to_end(tmp_path, tiny_pair, ray_session):
         assert sum(r["draft_lengths"]) == r["drafted_tokens"]
         assert r["generated_tokens"] == len(r["token_ids"]) <= r["accepted_tokens"] + r["rounds"]
         assert isinstance(r["completion"], str)
+        assert r["verification"] == "lossless"  # the rule that accepted the row's tokens
     manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["spec"]["speculation"]["verification"] == "lossless"
     assert manifest["input"]["rows"] == 10 and manifest["num_shards"] == 4
     assert sum(p["rows"] for p in manifest["parts"].values()) == 10
     assert summary["rows_committed"] == 10 and summary["rows_failed_this_run"] == 0

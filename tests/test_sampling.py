@@ -58,19 +58,21 @@ def models():
         ("draft_model", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1)),
         ("draft_model", SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=5, top_p=0.9, seed=2)),
         ("prompt_lookup", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=3)),
+        ("lookup_tree", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=5)),
         ("draft_vocab", SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=4)),
     ],
-    ids=["draft-t1", "draft-topk-topp", "lookup-t1", "draft-vocab-cut"],
+    ids=["draft-t1", "draft-topk-topp", "lookup-t1", "lookup-tree-t1", "draft-vocab-cut"],
 )
 def test_sampled_output_has_target_distribution(models, method, sp):
     target, draft = models
     p_target, p_draft = exact_distribution(target, sp), exact_distribution(draft, sp)
     cut = method == "draft_vocab"  # the draft scores only ids 0..4: q is zero on 5..7
-    if cut:
-        method = "draft_model"
+    tree = method == "lookup_tree"  # AASD's token trees: 2 siblings where the prompt's token is not the top one
+    method = {"draft_vocab": "draft_model", "lookup_tree": "prompt_lookup"}.get(method, method)
     eng = SpecEngine(pair(target, draft if method == "draft_model" else None), sp,
                      SpecConfig(method=method, num_draft_tokens=2, draft_length="fixed", draft_vocab=5 if cut else 0,
-                                prompt_lookup_min_ngram=1, prompt_lookup_max_ngram=2), batch_size=512)
+                                prompt_lookup={"min_ngram": 1, "max_ngram": 2, "alignment_sampling": 2 if tree else 0}),
+                     batch_size=512)
     results = eng.generate([PROMPT] * N, keys=[f"row{i}" for i in range(N)])
     assert all(r.generated_tokens == NEW for r in results)
     emp = empirical(results)

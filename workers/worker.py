@@ -31,7 +31,7 @@ _TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "gener
           "finish_reason": pa.string(), "error": pa.string(), "rounds": pa.int32(), "draft_forwards": pa.int32(),
           "drafted_tokens": pa.int32(), "accepted_tokens": pa.int32(), "draft_lengths": pa.list_(pa.int16()),
           "accept_lengths": pa.list_(pa.int16()), "acceptance_rate": pa.float64(),
-          "mean_accepted_length": pa.float64(), "wall_s": pa.float64()}
+          "mean_accepted_length": pa.float64(), "verification": pa.string(), "wall_s": pa.float64()}
 SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
                    + [(name, _TYPES[name]) for name in SampleResult.COLUMNS])
 

@@ -15,6 +15,11 @@ class Draft:
     q_probs: torch.Tensor | None  # [n, K, vocab] distributions the tokens were sampled from; None = point mass
     forwards: int = 0  # draft model forward passes run for this round (the whole batch takes part)
     bad: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
+    relaxed: torch.Tensor | None = None  # [n, K] bool: tokens conditional verification may pass (from the prompt)
+    parent: torch.Tensor | None = None  # [n, K] a token tree: each node's parent (0: the pending token); None: chains
+    depth: torch.Tensor | None = None  # [n, K] each node's depth (1: a child of the pending token)
+    max_depth: int = 0  # host: the deepest node (a chain's K)
+    raw_q: torch.Tensor | None = None  # [n, K, vocab] softmax of the draft's raw logits (fuzzy verification)
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":
@@ -30,8 +35,11 @@ class Proposer:
     def __init__(self, batch):
         self.batch = batch
 
-    def admit(self, start: int, end: int) -> None:
-        """Rows [start, end) joined the batch (their prompts are in batch.seq)."""
+    prefill_top = 0  # the target's top ids the proposer wants at every prompt position (0: none)
+
+    def admit(self, start: int, end: int, target_top: np.ndarray | None = None) -> None:
+        """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
+        prefill_top]: the target's top ids at each prompt position, from its prefill."""
 
     def propose(self, n: int, limits: np.ndarray) -> Draft:
         """Draft up to limits[i] tokens for row i of [0, n) (a host array)."""

@@ -19,6 +19,13 @@ from ..runner import ModelRunner
 from .base import Draft, Proposer
 
 
+def _full_vocab(q: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """q over the target's vocabulary: zero past the draft's (`draft_vocab`)."""
+    if q is None or q.shape[-1] >= vocab:
+        return q
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+
+
 class DraftModelProposer(Proposer):
     deterministic = False
 
@@ -28,7 +35,7 @@ class DraftModelProposer(Proposer):
         self.d_len = batch.slots.add_host("draft_len")  # tokens of the row held in the draft cache
         self.fed_len = batch.slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
 
-    def admit(self, start: int, end: int) -> None:
+    def admit(self, start: int, end: int, target_top=None) -> None:
         b = self.batch
         if b.policy.drafts_soon(end):
             self.d_len[start:end] = b.prefill(self.runner, start, end)
@@ -58,7 +65,8 @@ class DraftModelProposer(Proposer):
         active = limits_dev > 0 if stops else None  # rows still drafting (only tracked if rows stop early)
         lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stops else None
         seq_len = b.to_device(lens) if k_max > 1 else None
-        tokens, qs = [], []
+        tokens, qs, raws = [], [], []
+        fuzzy = b.spec.verification == "fuzzy"
         fed = 0  # drafted tokens fed back into the draft this round
         bad = torch.zeros(n, dtype=torch.bool, device=dev)  # non-finite draft logits (the row fails)
         for step in range(k_max):
@@ -71,6 +79,8 @@ class DraftModelProposer(Proposer):
                 x = sampling.sample(q, b.u_draft[:n, step])
                 qs.append(q)
             tokens.append(x)
+            if fuzzy:  # FSD compares the models' raw distributions
+                raws.append(torch.softmax(logits.float(), dim=-1))
             if stops:
                 lengths += active
                 token_prob = q.gather(1, x[:, None]).squeeze(1) if q is not None else None
@@ -103,9 +113,9 @@ class DraftModelProposer(Proposer):
         else:
             draft_tokens = draft_tokens[:, :k]
         q_probs = torch.stack(qs, dim=1)[:, :k] if qs else None
-        if q_probs is not None and q_probs.shape[-1] < b.vocab_size:  # q is zero past the draft's vocab
-            q_probs = torch.nn.functional.pad(q_probs, (0, b.vocab_size - q_probs.shape[-1]))
-        return Draft(draft_tokens, lengths, q_probs, forwards, bad)
+        raw_q = torch.stack(raws, dim=1)[:, :k] if raws else None
+        q_probs, raw_q = (_full_vocab(q, b.vocab_size) for q in (q_probs, raw_q))
+        return Draft(draft_tokens, lengths, q_probs, forwards, bad, max_depth=k, raw_q=raw_q)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         # the draft cache is right up to the last accepted draft token it was fed

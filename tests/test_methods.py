@@ -1,0 +1,134 @@
+"""The seeds' methods on tiny models in float32: AASD's token trees (lossless, and conditional
+verification) and FSD's fuzzy verification, at their limits and in the direction of their knobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from engine_models import noisy_copy, pair, tiny_llama
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.trees import tree_inputs, verify_tree
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def repeating():
+    """Prompts that repeat themselves, so that lookups hit."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 96, (n,), generator=g).tolist() * 3 for n in (5, 17, 1, 9, 30, 3, 12, 8)]
+
+
+@pytest.fixture(scope="module")
+def greedy(target, repeating):
+    """transformers' own greedy decoding of the repeating prompts."""
+    out = []
+    for p in repeating:
+        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def generate(target, draft, prompts, bs=8, fast_path=True, **spec):
+    spec = {"num_draft_tokens": 4, "draft_length": "fixed", **spec}
+    eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=NEW), SpecConfig(**spec), batch_size=bs,
+                     fast_path=fast_path)
+    return eng.generate(prompts)
+
+
+def rate(results) -> float:
+    return sum(r.accepted_tokens for r in results) / sum(r.drafted_tokens for r in results)
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8])
+def test_prompt_lookup_with_and_without_trees_is_target_greedy(target, repeating, greedy, bs):
+    runs = {}
+    for s in (0, 2):
+        for fast in (True, False) if bs == 8 else (True,):  # the lean forward and transformers' modules
+            out = generate(target, None, repeating, bs, fast, method="prompt_lookup",
+                           prompt_lookup={"alignment_sampling": s})
+            assert [r.token_ids for r in out] == greedy
+            assert all(r.verification == "lossless" for r in out)
+            runs[s] = out
+    # the trees were real: more nodes verified, more tokens accepted, fewer target calls
+    assert sum(r.drafted_tokens for r in runs[2]) > sum(r.drafted_tokens for r in runs[0])
+    assert sum(r.accepted_tokens for r in runs[2]) > sum(r.accepted_tokens for r in runs[0])
+    assert sum(r.rounds for r in runs[2]) < sum(r.rounds for r in runs[0])
+
+
+def test_tree_mask_sees_the_cache_and_the_ancestors_only():
+    # root 0; chain 1 -> 2 -> 3; node 4 a sibling of 2 (parent 1); node 5 a sibling of 1 (parent 0)
+    parent = torch.tensor([[0, 1, 2, 1, 0]])
+    depth = torch.tensor([[1, 2, 3, 2, 1]])
+    positions, slots, mask = tree_inputs(parent, depth, torch.tensor([4]), kv_len=12, max_depth=3)
+    assert positions.tolist() == [[4, 5, 6, 7, 6, 5]] and slots.tolist() == [[4, 5, 6, 7, 8, 9]]
+    seen = [torch.nonzero(mask[0, 0, j]).flatten().tolist() for j in range(6)]
+    assert seen == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7],
+                    [0, 1, 2, 3, 4, 5, 8], [0, 1, 2, 3, 4, 9]]
+
+
+def test_sampled_tree_verification_draws_from_the_target():
+    """Every emitted token of a tree's round is a draw from p at its node, whatever the tree offers."""
+    torch.manual_seed(0)
+    n, vocab = 40000, 6
+    logits = torch.randn(1, 4, vocab).expand(n, 4, vocab) * 1.5  # root and nodes 1..3
+    p = torch.softmax(logits[0], -1)
+    tokens = torch.tensor([[2, 3, 5]]).expand(n, 3)  # node 1 (2) and node 3 (5) children of the root, 2 (3) of 1
+    parent, depth = torch.tensor([[0, 1, 0]]).expand(n, 3), torch.tensor([[1, 2, 1]]).expand(n, 3)
+    sp = SamplingParams(temperature=1.0)
+    v = verify_tree(logits, tokens, parent, depth, torch.full((n,), 3), 2, sp, torch.rand(n, 3))
+    first = torch.where(v.accepted >= 1, tokens.gather(1, (v.path[:, :1] - 1).clamp(min=0)).squeeze(1), v.next_token)
+    emp = torch.bincount(first, minlength=vocab).float() / n
+    assert (emp - p[0]).abs().max() < 0.012
+    # after the root emitted 2 (node 1), the next token is a draw from p at node 1
+    after = v.accepted >= 1
+    via = v.path[:, 0] == 1
+    second = torch.where(v.accepted >= 2, torch.full_like(v.next_token, 3), v.next_token)[after & via]
+    emp2 = torch.bincount(second, minlength=vocab).float() / len(second)
+    assert (emp2 - p[1]).abs().max() < 0.03
+
+
+def test_fuzzy_limits(target, repeating, greedy):
+    strict = generate(target, noisy_copy(target, 0.3), repeating, verification="fuzzy", fuzzy={"threshold": 0.0})
+    assert [r.token_ids for r in strict] == greedy
+    assert all(r.verification == "fuzzy" for r in strict)
+    same = generate(target, target, repeating, verification="fuzzy", fuzzy={"threshold": 1e-4})
+    assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in same)  # draft == target: every token passes
+
+
+@pytest.mark.parametrize("divergence", ["js", "kl", "tv"])
+def test_fuzzy_acceptance_rises_with_the_threshold(target, repeating, divergence):
+    draft = noisy_copy(target, 0.3)
+    rates = [rate(generate(target, draft, repeating, verification="fuzzy",
+                           fuzzy={"divergence": divergence, "threshold": t})) for t in (0.0, 0.1, 0.3, 1.0, 50.0)]
+    assert rates == sorted(rates) and rates[0] < 0.05 and rates[-1] == 1.0, rates
+
+
+def test_conditional_limits_and_beta(target, repeating, greedy):
+    strict = generate(target, None, repeating, method="prompt_lookup", prompt_lookup={"alignment_sampling": 2},
+                      verification="conditional", conditional={"alpha": 0.1, "beta": 1.0})
+    assert [r.token_ids for r in strict] == greedy  # beta >= 1: only the argmax passes
+    assert all(r.verification == "conditional" for r in strict)
+    flat = tiny_llama(seed=0, init=0.02)  # flat distributions: a non-argmax token has a real probability
+    rates = [rate(generate(flat, None, repeating, method="prompt_lookup", prompt_lookup={"alignment_sampling": 2},
+                           verification="conditional", conditional={"alpha": 0.0, "beta": beta}))
+             for beta in (0.0, 0.01, 1.0)]
+    assert rates[0] > rates[1] > rates[2], rates
+
+
+def test_config_names_the_moved_and_inconsistent_keys():
+    with pytest.raises(ValidationError, match=r"speculation.prompt_lookup_max_ngram is now speculation.prompt_lookup.max_ngram"):
+        SpecConfig(method="prompt_lookup", prompt_lookup_max_ngram=3)
+    with pytest.raises(ValidationError, match="verification fuzzy needs speculation.method draft_model"):
+        SpecConfig(method="prompt_lookup", verification="fuzzy")
+    with pytest.raises(ValidationError, match="verification conditional needs speculation.method prompt_lookup"):
+        SpecConfig(method="draft_model", verification="conditional")
+    with pytest.raises(ValidationError, match="speculation.fuzzy is set but speculation.verification is lossless"):
+        SpecConfig(fuzzy={"threshold": 0.2})
+    with pytest.raises(ValidationError, match="alignment_sampling"):
+        SpecConfig(method="prompt_lookup", prompt_lookup={"alignment_sampling": 4})
+    assert SpecConfig().verification == "lossless"  # relaxed verification is opt-in

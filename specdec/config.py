@@ -87,7 +87,8 @@ class FuzzyConfig(Config):
                                                   "+ 0.5 KL(q, m) with m = (p + q) / 2, in nats; `kl`: KL(p, q); `tv`: "
                                                   "half the L1 distance; p, q: softmax of the target's and the draft's "
                                                   "raw logits")
-    threshold: float = Field(0.3, ge=0.0, description="accept a drafted token when the divergence is at most this")
+    threshold: float = Field(0.3, ge=0.0, description="accept a drafted token outright when the divergence is at most "
+                                                      "this (elsewhere the lossless rule decides; 0 is lossless)")
 
 
 class ConditionalConfig(Config):

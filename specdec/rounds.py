@@ -16,7 +16,7 @@ from . import sampling, trees
 from .batch import Batch, _Row
 from .config import SampleResult, row_seed
 from .proposers.base import Draft
-from .verify import verify_fuzzy, verify_greedy, verify_lossless
+from .verify import fuzzy_pass, verify_greedy, verify_lossless
 
 
 class Rounds:
@@ -179,7 +179,7 @@ class Rounds:
         """The verification rule of this engine for `draft`: accepted [n], the next token [n], and for a token
         tree its accepted path [n, depth] (None for chains). Prompt lookup goes through the tree rule (a chain
         is a tree) so that conditional verification applies to it; the draft model's tokens through the
-        lossless rule (or FSD's fuzzy one)."""
+        lossless rule, with FSD's close tokens passing outright under `verification: fuzzy`."""
         spec, sp, m = self.e.spec, self.e.sampling, self.m
         n, k = draft.tokens.shape
         if draft.parent is not None or spec.method == "prompt_lookup":
@@ -191,15 +191,15 @@ class Rounds:
             v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, sp,
                                   None if u is None else u[:, m : m + d + 1], draft.relaxed, spec.conditional_rule)
             return v.accepted, v.next_token, (v.path if draft.parent is not None else None)
+        also = None  # tokens accepted outright: fuzzy verification's close distributions
         if spec.fuzzy_rule is not None and k:
             rule = spec.fuzzy_rule
-            v = verify_fuzzy(logits, draft.tokens, draft.lengths, draft.raw_q, rule.divergence, rule.threshold, sp,
-                             None if u is None else u[:, 2 * m])
-        elif u is not None:
+            also = fuzzy_pass(logits, draft.raw_q, rule.divergence, rule.threshold)
+        if u is not None:
             p = sampling.probs(logits, sp)
-            v = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m])
+            v = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m], also)
         else:
-            v = verify_greedy(logits, draft.tokens, draft.lengths)
+            v = verify_greedy(logits, draft.tokens, draft.lengths, also)
         return v.accepted, v.next_token, None
 
     def retire(self, slot: int) -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from . import sampling
-from .config import SamplingParams
 
 
 @dataclass
@@ -34,11 +33,14 @@ def _leading(passed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return (passed & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor) -> Verdict:
-    """target_logits: [n, K+1, vocab]; draft_tokens: [n, K]; lengths: [n]."""
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor,
+                  also: torch.Tensor | None = None) -> Verdict:
+    """target_logits: [n, K+1, vocab]; draft_tokens: [n, K]; lengths: [n]; also [n, K]: tokens that pass
+    whatever the rule says (fuzzy verification)."""
     best = target_logits.argmax(dim=-1)  # [n, K+1]
     k = draft_tokens.shape[1]
-    accepted = _leading(draft_tokens == best[:, :k], lengths)
+    passed = draft_tokens == best[:, :k]
+    accepted = _leading(passed if also is None else passed | also, lengths)
     next_token = best.gather(1, accepted[:, None]).squeeze(1)
     return Verdict(accepted, next_token)
 
@@ -50,6 +52,7 @@ def verify_lossless(
     q_probs: torch.Tensor | None,  # [n, K, vocab] draft distributions the tokens were sampled from; None = point mass
     u_accept: torch.Tensor,  # [n, K] uniforms for the acceptance tests
     u_sample: torch.Tensor,  # [n] uniform for the recovered / bonus token
+    also: torch.Tensor | None = None,  # [n, K] tokens that pass whatever the rule says (fuzzy verification)
 ) -> Verdict:
     n, k = draft_tokens.shape
     rows = torch.arange(n, device=p.device)
@@ -59,7 +62,8 @@ def verify_lossless(
     else:
         q_x = q_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
         ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
-    accepted = _leading(u_accept[:, :k] <= ratio, lengths)  # accept x_i with probability min(1, p/q)
+    passed = u_accept[:, :k] <= ratio  # accept x_i with probability min(1, p/q)
+    accepted = _leading(passed if also is None else passed | also, lengths)
 
     base = p[rows, accepted]  # [n, vocab]: p at the first rejected position, or p_{k+1} (bonus)
     rejected = accepted < lengths
@@ -93,23 +97,12 @@ def divergence(p: torch.Tensor, q: torch.Tensor, kind: str) -> torch.Tensor:
     return 0.5 * (xlogy(p, p) - xlogy(p, m)).sum(-1) + 0.5 * (xlogy(q, q) - xlogy(q, m)).sum(-1)
 
 
-def verify_fuzzy(
-    target_logits: torch.Tensor,  # [n, K+1, vocab]
-    draft_tokens: torch.Tensor,  # [n, K]
-    lengths: torch.Tensor,  # [n]
-    raw_q: torch.Tensor,  # [n, K, vocab] softmax of the draft's raw logits
-    kind: str,
-    threshold: float,
-    sp: SamplingParams,
-    u_sample: torch.Tensor | None,  # [n] (None when greedy)
-) -> Verdict:
-    """Fuzzy speculative decoding (FSD): accept x_i while Div(p_i, q_i) <= threshold, p and q the models' raw
-    distributions (softmax of the logits, temperature 1, as FSD's reference); the first rejected position,
-    or the one after the last draft token, emits the target's own token there: its argmax when greedy, a
-    sample of its sampling distribution otherwise (not the residual)."""
-    n, k = draft_tokens.shape
+def fuzzy_pass(target_logits: torch.Tensor, raw_q: torch.Tensor, kind: str, threshold: float) -> torch.Tensor:
+    """Fuzzy speculative decoding (FSD): [n, K] where Div(p_i, q_i) <= threshold, p and q the models' raw
+    distributions (softmax of the logits at temperature 1, as FSD's code); target_logits [n, >= K, vocab],
+    raw_q [n, K, vocab]. Such a token is accepted outright; elsewhere the lossless rule still decides (FSD
+    rejects there and draws from p: we keep the residual, so threshold 0 is exactly lossless and fuzzy
+    accepts a superset of what lossless accepts)."""
+    k = raw_q.shape[1]
     p = torch.softmax(target_logits[:, :k].float(), dim=-1)
-    accepted = _leading(divergence(p, raw_q, kind) <= threshold, lengths)
-    at = target_logits[torch.arange(n, device=target_logits.device), accepted]  # [n, vocab]
-    next_token = at.argmax(-1) if sp.greedy else sampling.sample(sampling.probs(at, sp), u_sample)
-    return Verdict(accepted, next_token)
+    return divergence(p, raw_q, kind) <= threshold

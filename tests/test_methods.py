@@ -93,19 +93,27 @@ def test_sampled_tree_verification_draws_from_the_target():
 
 
 def test_fuzzy_limits(target, repeating, greedy):
-    strict = generate(target, noisy_copy(target, 0.3), repeating, verification="fuzzy", fuzzy={"threshold": 0.0})
+    draft = noisy_copy(target, 0.3)
+    strict = generate(target, draft, repeating, verification="fuzzy", fuzzy={"threshold": 0.0})
     assert [r.token_ids for r in strict] == greedy
     assert all(r.verification == "fuzzy" for r in strict)
     same = generate(target, target, repeating, verification="fuzzy", fuzzy={"threshold": 1e-4})
     assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in same)  # draft == target: every token passes
+    # sampled, threshold 0 is the lossless rule itself: the same tokens from the same row seeds
+    sp = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7)
+    runs = [SpecEngine(pair(target, draft), sp, SpecConfig(num_draft_tokens=3, draft_length="fixed", **extra))
+            .generate(repeating) for extra in ({}, {"verification": "fuzzy", "fuzzy": {"threshold": 0.0}})]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
 
 
-@pytest.mark.parametrize("divergence", ["js", "kl", "tv"])
-def test_fuzzy_acceptance_rises_with_the_threshold(target, repeating, divergence):
+@pytest.mark.parametrize("divergence,thresholds", [("js", (0.3, 0.5, 0.7)), ("tv", (0.6, 0.8, 1.0)),
+                                                   ("kl", (2.0, 4.0, 50.0))])
+def test_fuzzy_acceptance_rises_with_the_threshold(target, repeating, divergence, thresholds):
     draft = noisy_copy(target, 0.3)
+    lossless = rate(generate(target, draft, repeating))
     rates = [rate(generate(target, draft, repeating, verification="fuzzy",
-                           fuzzy={"divergence": divergence, "threshold": t})) for t in (0.0, 0.1, 0.3, 1.0, 50.0)]
-    assert rates == sorted(rates) and rates[0] < 0.05 and rates[-1] == 1.0, rates
+                           fuzzy={"divergence": divergence, "threshold": t})) for t in (0.0, *thresholds)]
+    assert rates == sorted(rates) and rates[0] == lossless < rates[-1] == 1.0, rates
 
 
 def test_conditional_limits_and_beta(target, repeating, greedy):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import SampleResult
+from .config import SampleResult, SamplingParams
+from .sampling import RowSettings
 from .policy import Slots, make_policy
 from .runner import ModelRunner
 
@@ -25,6 +26,7 @@ class _Row:
     tokens: list[int]  # prompt + emitted so far (host copy, for prompt lookup and stop checks)
     generator: torch.Generator | None
     t0: float
+    sp: SamplingParams  # this row's settings (the engine's, or the row's own)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -55,6 +57,7 @@ class Batch:
         self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
         self.slots = Slots(capacity, self.device)
         self.lens = self.slots.add_host("seq_len")  # tokens per row (prompt + emitted), known on the host
+        self.sp = RowSettings(self.slots, engine.sampling)  # each row's sampling settings (`sp.view(n)`)
         self.rows: list[_Row | None] = [None] * capacity
         self.n = 0
         self.u_draft = torch.empty((capacity, 0), device=self.device)

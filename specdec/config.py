@@ -57,6 +57,8 @@ class SamplingParams(Config):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1 = off")
     seed: int = Field(0, description="with the row id, seeds each row's own generator")
     stop_token_ids: tuple[int, ...] = Field((), description="besides the target's EOS ids")
+    stop: tuple[str, ...] = Field((), description="stop strings: generation ends once the decoded output holds one; the "
+                                                  "completion ends before it (`token_ids` keep its tokens)")
 
     @property
     def greedy(self) -> bool:
@@ -191,6 +193,7 @@ class SampleResult:
     draft_lengths: list[int] = field(default_factory=list)  # per round: tokens proposed
     accept_lengths: list[int] = field(default_factory=list)  # per round: tokens accepted
     verification: str | None = None  # the rule that accepted its tokens: lossless, fuzzy or conditional
+    stop_string: str | None = None  # the stop string that ended it (the completion ends before it)
     wall_s: float = 0.0
 
     @property

@@ -45,6 +45,7 @@ from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .rounds import Rounds
 from .runner import ModelRunner, pow2_at_least
+from .stops import StopStrings
 from .widths import VerifyWidths
 
 
@@ -69,6 +70,7 @@ class SpecEngine:
         self.batch_size = batch_size
         self.device = pair.device
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
+        self.stop_strings = StopStrings(pair.tokenizer)
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
         self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
@@ -118,9 +120,9 @@ class SpecEngine:
         return memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, rows,
                            self.spec.max_nodes + 1, self.vocab_size, freed)
 
-    def row_tokens(self, prompt_tokens: int) -> int:
+    def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
-        return prompt_tokens + self.sampling.max_new_tokens + self.spec.max_nodes + 2
+        return prompt_tokens + (max_new or self.sampling.max_new_tokens) + self.spec.max_nodes + 2
 
     def plan_check(self) -> None:
         """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""
@@ -175,14 +177,17 @@ class SpecEngine:
             return PromptLookupProposer(batch)
         return Proposer(batch)  # method none: never drafts (limits are 0)
 
-    def max_prompt_tokens(self, plan: memory.MemoryPlan | None) -> int:
-        """The longest prompt a row can take: the models' positions, and the GPU memory plan's slots."""
-        room = self.max_positions - self.sampling.max_new_tokens
+    def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
+        """The longest prompt a row of `max_new` new tokens can take: the models' positions, and the GPU
+        memory plan's slots."""
+        max_new = max_new or self.sampling.max_new_tokens
+        room = self.max_positions - max_new
         if plan is not None:
-            room = min(room, plan.max_row_tokens() - self.row_tokens(0))
+            room = min(room, plan.max_row_tokens() - self.row_tokens(0, max_new))
         return room
 
-    def _check_prompt(self, prompt: list[int], room: int, truncate: str) -> tuple[list[int], str | None]:
+    def _check_prompt(self, prompt: list[int], room: int, truncate: str,
+                      max_new: int) -> tuple[list[int], str | None]:
         """The prompt to run (cut to its last `room` tokens if `truncate` is "left"), or why it cannot run."""
         if len(prompt) == 0:
             return prompt, "empty_prompt: the prompt has no tokens"
@@ -191,26 +196,34 @@ class SpecEngine:
         if len(prompt) > room:
             if truncate == "left" and room > 0:
                 return prompt[-room:], None
-            return prompt, (f"prompt_too_long: {len(prompt)} tokens + max_new_tokens {self.sampling.max_new_tokens}"
-                            f" exceed the {room + self.sampling.max_new_tokens} positions a row can have (the "
+            return prompt, (f"prompt_too_long: {len(prompt)} tokens + max_new_tokens {max_new}"
+                            f" exceed the {room + max_new} positions a row can have (the "
                             "models' context, or the GPU memory plan); input.truncate: left keeps the last tokens")
         return prompt, None
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], keys: list | None = None, truncate: str = "error",
-                 on_round: Callable[[int], None] | None = None) -> list[SampleResult]:
+                 on_round: Callable[[int], None] | None = None,
+                 params: list[SamplingParams | None] | None = None) -> list[SampleResult]:
         """Generate for every prompt; results in input order. A prompt that cannot run becomes an error result
         ("reason: detail"); `truncate="left"` cuts a prompt too long for a row to its last tokens instead.
-        `on_round(tokens)` is called after every round with the tokens it emitted (progress)."""
+        `on_round(tokens)` is called after every round with the tokens it emitted (progress). `params`: a
+        prompt's own sampling settings (None: the engine's); rows with different settings share batches."""
         keys = list(range(len(prompts))) if keys is None else list(keys)
         if len(keys) != len(prompts):
             raise ValueError("keys and prompts differ in length")
+        params = [p or self.sampling for p in (params or [None] * len(prompts))]
+        if len(params) != len(prompts):
+            raise ValueError("params and prompts differ in length")
+        if any(p.stop for p in params) and self.pair.tokenizer is None:
+            raise ValueError("stop strings need the target's tokenizer")
         results: list[SampleResult | None] = [None] * len(prompts)
         todo, runnable = [], []
         plan = self.memory_plan(self.batch_size)
-        room = self.max_prompt_tokens(plan)
         for i, p in enumerate(prompts):
-            p, reason = self._check_prompt([int(t) for t in p], room, truncate)
+            max_new = params[i].max_new_tokens
+            p, reason = self._check_prompt([int(t) for t in p], self.max_prompt_tokens(plan, max_new), truncate,
+                                           max_new)
             runnable.append(p)
             if reason:
                 results[i] = SampleResult.failed(keys[i], len(p), reason)
@@ -220,7 +233,7 @@ class SpecEngine:
             self.measure_costs()
             # longest first: similar lengths run together and the long tail does not trail at the end
             todo.sort(key=lambda i: -len(runnable[i]))
-            max_len = self.row_tokens(len(runnable[todo[0]]))
+            max_len = max(self.row_tokens(len(runnable[i]), params[i].max_new_tokens) for i in todo)
             batch = Batch(self, min(self._batch_rows(max_len, plan), len(todo)), max_len)
-            Rounds(self, batch, runnable, keys, results, on_round).run(deque(todo))
+            Rounds(self, batch, runnable, keys, results, on_round, params).run(deque(todo))
         return results  # type: ignore[return-value]

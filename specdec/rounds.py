@@ -20,17 +20,16 @@ from .verify import fuzzy_pass, verify_greedy, verify_lossless
 
 
 class Rounds:
-    def __init__(self, engine, batch: Batch, prompts, keys, results, on_round=None):
+    def __init__(self, engine, batch: Batch, prompts, keys, results, on_round=None, params=None):
         self.e = engine
         self.on_round = on_round
         self.b = batch
         self.prompts = prompts
         self.keys = keys
         self.results = results
-        sp, spec = engine.sampling, engine.spec
-        self.max_new = sp.max_new_tokens
-        self.m = spec.max_draft_tokens if spec.method != "none" else 0
-        self.random = not sp.greedy
+        self.params = params or [engine.sampling] * len(prompts)  # each prompt's sampling settings
+        self.m = engine.spec.max_draft_tokens if engine.spec.method != "none" else 0
+        self.random = not all(sp.greedy for sp in self.params)  # some row samples: rounds draw uniforms
 
     def run(self, queue: deque) -> None:
         b = self.b
@@ -46,12 +45,11 @@ class Rounds:
         now = time.perf_counter()
         b.write_rows(start, [self.prompts[i] for i in indices])
         for slot, i in zip(range(start, end), indices):
-            p = self.prompts[i]
-            gen = None
-            if self.random:
-                gen = torch.Generator().manual_seed(row_seed(self.e.sampling.seed, self.keys[i]))
+            p, sp = self.prompts[i], self.params[i]
+            gen = None if sp.greedy else torch.Generator().manual_seed(row_seed(sp.seed, self.keys[i]))
             result = SampleResult(key=self.keys[i], prompt_tokens=len(p), verification=self.e.spec.verification)
-            b.rows[slot] = _Row(i, result, list(p), gen, now)
+            b.rows[slot] = _Row(i, result, list(p), gen, now, sp)
+            b.sp.set(slot, sp)
         top = b.prefill_target(start, end, b.proposer.prefill_top)
         b.proposer.admit(start, end, top)
         b.policy.admit(start, end)
@@ -62,7 +60,7 @@ class Rounds:
         n, m = b.n, self.m
         rows = b.rows[:n]
         if m:
-            room = np.array([self.max_new - r.result.generated_tokens - 1 for r in rows], dtype=np.int64)
+            room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in rows], dtype=np.int64)
             limits = np.minimum(np.clip(b.policy.limits(n), 0, m), room)
         else:
             limits = np.zeros(n, dtype=np.int64)
@@ -82,11 +80,17 @@ class Rounds:
             emitted = new_l[i][: a + 1]
             cut = len(emitted)
             for j, t in enumerate(emitted):
-                if t in self.e.stop_ids:
+                if t in self.e.stop_ids or t in row.sp.stop_token_ids:
                     cut = j + 1
                     res.finish_reason = "stop"
                     break
-            room = self.max_new - res.generated_tokens
+            if row.sp.stop:  # stop strings, on the decoded text
+                hit = self.e.stop_strings.find(res.token_ids, emitted[:cut], row.sp.stop)
+                if hit is not None:
+                    cut, res.stop_string = hit
+                    res.finish_reason = "stop"
+            max_new = row.sp.max_new_tokens
+            room = max_new - res.generated_tokens
             if cut >= room:
                 if cut > room or res.finish_reason != "stop":
                     res.finish_reason = "length"
@@ -99,7 +103,7 @@ class Rounds:
             res.draft_forwards += draft.forwards
             res.draft_lengths.append(int(len_l[i]))
             res.accept_lengths.append(min(a, cut))
-            if res.finish_reason == "stop" or res.generated_tokens >= self.max_new:
+            if res.finish_reason == "stop" or res.generated_tokens >= max_new:
                 finished.append(i)
         for i in reversed(finished):  # descending: the last active row is never a finished one
             self.retire(i)
@@ -180,7 +184,8 @@ class Rounds:
         tree its accepted path [n, depth] (None for chains). Prompt lookup goes through the tree rule (a chain
         is a tree) so that conditional verification applies to it; the draft model's tokens through the
         lossless rule, with FSD's close tokens passing outright under `verification: fuzzy`."""
-        spec, sp, m = self.e.spec, self.e.sampling, self.m
+        spec, m = self.e.spec, self.m
+        rows = self.b.sp.view(logits.shape[0])
         n, k = draft.tokens.shape
         if draft.parent is not None or spec.method == "prompt_lookup":
             if draft.parent is None:
@@ -188,19 +193,22 @@ class Rounds:
                 d = k
             else:
                 parent, depth, d = draft.parent, draft.depth, draft.max_depth
-            v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, sp,
+            v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, rows,
                                   None if u is None else u[:, m : m + d + 1], draft.relaxed, spec.conditional_rule)
             return v.accepted, v.next_token, (v.path if draft.parent is not None else None)
         also = None  # tokens accepted outright: fuzzy verification's close distributions
         if spec.fuzzy_rule is not None and k:
             rule = spec.fuzzy_rule
             also = fuzzy_pass(logits, draft.raw_q, rule.divergence, rule.threshold)
-        if u is not None:
-            p = sampling.probs(logits, sp)
-            v = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m], also)
-        else:
-            v = verify_greedy(logits, draft.tokens, draft.lengths, also)
-        return v.accepted, v.next_token, None
+        greedy = verify_greedy(logits, draft.tokens, draft.lengths, also) if rows.any_greedy else None
+        if rows.greedy:
+            return greedy.accepted, greedy.next_token, None
+        p = sampling.probs(logits, rows)
+        v = verify_lossless(p, draft.tokens, draft.lengths, draft.q_probs, u[:, m : m + k], u[:, 2 * m], also)
+        if greedy is None:
+            return v.accepted, v.next_token, None
+        g = rows.greedy_rows  # a mixed batch: each row by its own rule
+        return torch.where(g, greedy.accepted, v.accepted), torch.where(g, greedy.next_token, v.next_token), None
 
     def retire(self, slot: int) -> None:
         b = self.b

@@ -10,6 +10,7 @@ from engine_models import pair, tiny_llama
 from specdec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
+from specdec.policy import Slots
 
 V, NEW, N = 8, 3, 4000
 PROMPT = [1, 5, 2, 7]
@@ -115,3 +116,33 @@ def test_seeded_rows_repeat_and_do_not_depend_on_batch(models):
     assert [r.token_ids for r in other_seed] != [r.token_ids for r in a]
     # the same prompt under different row ids gives different samples
     assert len({tuple(r.token_ids) for r in a[::4]}) > 1
+
+
+@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
+def test_rows_with_their_own_settings_share_a_batch(models, method):
+    """A batch of rows with different settings: greedy rows give greedy output, rows at temperature 0.7 with
+    top-k follow that distribution, rows at temperature 1 theirs; one batch, each row by its own rule."""
+    target, draft = models
+    hot = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=1)
+    warm = SamplingParams(max_new_tokens=NEW, temperature=0.7, top_k=5, seed=2)
+    cold = SamplingParams(max_new_tokens=NEW)
+    params = [hot, warm, cold] * N
+    eng = SpecEngine(pair(target, draft if method == "draft_model" else None), cold,
+                     SpecConfig(method=method, num_draft_tokens=2, draft_length="fixed"), batch_size=600)
+    results = eng.generate([PROMPT] * len(params), keys=[f"r{i}" for i in range(len(params))], params=params)
+    greedy = SpecEngine(pair(target), cold, SpecConfig(method="none")).generate([PROMPT])[0].token_ids
+    assert all(r.token_ids == greedy for r in results[2::3])
+    for rows, sp in ((results[0::3], hot), (results[1::3], warm)):
+        p = exact_distribution(target, sp)
+        assert tv(empirical(rows), p) <= noise_bound(p, N)
+
+
+def test_row_processing_equals_the_shared_one():
+    logits = torch.randn(5, 3, 40) * 3
+    for sp in (SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.3, top_p=0.6),
+               SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams()):
+        slots = Slots(5, "cpu")
+        rows = sampling.RowSettings(slots, sp)
+        for i in range(5):
+            rows.set(i, sp)
+        assert torch.allclose(sampling.probs(logits, rows.view(5)), sampling.probs(logits, sp), atol=1e-6)

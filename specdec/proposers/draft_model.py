@@ -66,17 +66,18 @@ class DraftModelProposer(Proposer):
         lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stops else None
         seq_len = b.to_device(lens) if k_max > 1 else None
         tokens, qs, raws = [], [], []
+        rows = b.sp.view(n)
         fuzzy = b.spec.verification == "fuzzy"
         fed = 0  # drafted tokens fed back into the draft this round
         bad = torch.zeros(n, dtype=torch.bool, device=dev)  # non-finite draft logits (the row fails)
         for step in range(k_max):
             bad |= ~torch.isfinite(logits).all(-1)
-            if b.sampling.greedy:
+            if rows.greedy:
                 x = logits.argmax(-1)
-                q = sampling.probs(logits, b.sampling) if policy.uses_draft_probs else None
-            else:
-                q = sampling.probs(logits, b.sampling)
-                x = sampling.sample(q, b.u_draft[:n, step])
+                q = sampling.probs(logits, rows) if policy.uses_draft_probs else None
+            else:  # each row by its own settings; greedy rows of a mixed batch take the argmax
+                q = sampling.probs(logits, rows)
+                x = sampling.choose(logits, q, b.u_draft[:n, step], rows)
                 qs.append(q)
             tokens.append(x)
             if fuzzy:  # FSD compares the models' raw distributions

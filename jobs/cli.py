@@ -14,6 +14,7 @@ import sys
 
 from workers import logs
 from workers.inputs import InputError
+from workers.outputs import COUNTS
 from workers.storage import StorageError, open_storage
 
 from .driver import MANIFEST, SUCCESS, JobError, error_counts, run_job
@@ -25,7 +26,7 @@ def cmd_run(args) -> int:
     logs.setup(args.log_level)
     spec = load_spec(args.config, args.set)
     summary = run_job(spec, address=args.address, overwrite=args.overwrite, progress=not args.no_progress,
-                      log_level=args.log_level)
+                      log_level=args.log_level, verbose=args.verbose)
     rate = summary["acceptance_rate"]
     mal = summary["mean_accepted_length"]
     print(f"specbatch: {spec.name}: {summary['rows_committed']}/{summary['rows_total']} rows committed "
@@ -43,13 +44,16 @@ def cmd_run(args) -> int:
     errors = summary["errors_by_reason"]
     if errors:
         print("specbatch: error rows by reason: " + ", ".join(f"{k} {v}" for k, v in errors.items()))
+    if summary.get("worker_logs"):
+        print(f"specbatch: the workers' own output (model loading, Ray) is in {summary['worker_logs']}")
     if args.json:
         print(json.dumps(summary))
     return 3 if errors and args.fail_on_row_errors else 0
 
 
 def cmd_status(args) -> int:
-    """Show how far a job's output is: parts committed of all shards, rows, and whether it finished."""
+    """Show how far a job's output is (parts and rows committed, failed rows by reason, whether it finished) and
+    what its rows cost (tokens in and out, acceptance, tokens per target call), from its manifest."""
     target = args.target
     path = load_spec(target).output.path if target.endswith((".yaml", ".yml")) else target
     st = open_storage(path)
@@ -59,11 +63,27 @@ def cmd_status(args) -> int:
         return 1
     m = json.loads(raw)
     parts = [n for n in st.list("part-") if n.endswith(".parquet")]
-    rows = sum(m["parts"].get(p, {}).get("rows", 0) for p in parts)
-    state = "finished" if st.exists(SUCCESS) else "incomplete"
-    errors = error_counts({"parts": {p: m["parts"][p] for p in parts if p in m["parts"]}})
-    print(f"{m['name']}: {len(parts)}/{m['num_shards']} parts, {rows}/{m['input']['rows']} rows, {state}"
+    entries = [m["parts"][p] for p in parts if p in m["parts"]]
+    counts = {k: sum(e.get(k, 0) for e in entries) for k in COUNTS}
+    errors = error_counts({"parts": dict(enumerate(entries))})
+    status = {"name": m["name"], "finished": st.exists(SUCCESS), "parts": len(parts), "shards": m["num_shards"],
+              "rows_committed": sum(e["rows"] for e in entries), "rows_total": m["input"]["rows"],
+              "rows_failed": sum(errors.values()), "errors_by_reason": errors, **counts,
+              "acceptance_rate": counts["accepted_tokens"] / counts["drafted_tokens"] if counts["drafted_tokens"] else None,
+              "tokens_per_target_call": counts["generated_tokens"] / counts["rounds"] if counts["rounds"] else None}
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    s = status
+    print(f"{s['name']}: {s['parts']}/{s['shards']} parts, {s['rows_committed']}/{s['rows_total']} rows, "
+          f"{'finished' if s['finished'] else 'incomplete'}"
           + ("; error rows: " + ", ".join(f"{k} {v}" for k, v in errors.items()) if errors else ""))
+    figures = [f"tokens in {s['prompt_tokens']}, out {s['generated_tokens']}"]
+    if s["tokens_per_target_call"] is not None:
+        figures.append(f"{s['tokens_per_target_call']:.2f} tokens per target call")
+    if s["acceptance_rate"] is not None:
+        figures.append(f"acceptance {s['acceptance_rate']:.1%}")
+    print("  " + "; ".join(figures) + " (rows without errors)")
     return 0
 
 
@@ -101,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json", action="store_true", help="also print the summary as JSON")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning",
                      help="log level of the driver, the workers and Ray (credentials are redacted at every level)")
+    run.add_argument("--verbose", action="store_true",
+                     help="show the workers' own output (model loading, progress bars, Ray's task messages) here "
+                          "instead of in their log files")
     run.add_argument("--fail-on-row-errors", action="store_true",
                      help="exit 3 if any row became an error row (default: 0; error rows are data)")
     run.set_defaults(fn=cmd_run)
     status = sub.add_parser("status", help=cmd_status.__doc__, description=cmd_status.__doc__)
     status.add_argument("target", help="the job's config or its output path")
+    status.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     status.set_defaults(fn=cmd_status)
     th = sub.add_parser("train-head", help=cmd_train_head.__doc__, description=cmd_train_head.__doc__)
     th.add_argument("config")

@@ -14,7 +14,6 @@ a worker (a bad model path, a permanent storage error) is not retried: it stops 
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -22,9 +21,9 @@ import sys
 import time
 from collections import Counter, deque
 
-import pyarrow.parquet as pq
 
 from workers.inputs import Shard, scan
+from workers.outputs import COUNTS, OPENAI_DIR, commit_jsonl, jsonl_name, part_entry
 from workers.storage import is_s3, open_storage
 
 from .spec import JobSpec, changed_keys
@@ -61,19 +60,9 @@ def _absolute(spec: JobSpec) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
-def _part_info(storage, name: str) -> dict:
-    """A committed part's manifest entry, from the part itself: rows, sha256 and error rows by reason."""
-    import hashlib
-
-    data = storage.read_bytes(name)
-    errors = pq.read_table(io.BytesIO(data), columns=["error"]).column("error").to_pylist()
-    reasons = Counter(e.split(":", 1)[0] for e in errors if e)
-    return {"rows": len(errors), "sha256": hashlib.sha256(data).hexdigest(), "errors": dict(reasons)}
-
-
 def _clear(storage) -> None:
     for name in storage.list():
-        if name in (MANIFEST, SUCCESS) or (name.startswith("part-") and name.endswith(".parquet")):
+        if name in (MANIFEST, SUCCESS) or name.startswith(OPENAI_DIR) or (name.startswith("part-") and name.endswith(".parquet")):
             storage.delete(name)
 
 
@@ -96,7 +85,7 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
     if raw is not None and not overwrite:
         parts = {k: v for k, v in json.loads(raw).get("parts", {}).items() if k in committed}
     for name in sorted(committed - set(parts)):  # committed after the last manifest update
-        parts[name] = _part_info(storage, name)
+        parts[name] = part_entry(storage.read_bytes(name))
     return {
         "name": spec.name,
         "fingerprint": spec.fingerprint(),
@@ -107,14 +96,24 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
     }
 
 
-def _init_ray(address: str | None, level: str = "warning") -> bool:
+def worker_logs_dir(spec: JobSpec) -> str:
+    """Where workers write their own output: `_logs/` in a local output folder, else a local cache folder
+    (on a cluster: that folder on each worker's node)."""
+    if not is_s3(spec.output.path):
+        return os.path.join(os.path.abspath(spec.output.path), "_logs")
+    from workers.fetch import cache_dir
+
+    return str(cache_dir() / "logs" / f"{spec.name}-{spec.fingerprint()[:8]}")
+
+
+def _init_ray(address: str | None, level: str = "warning", verbose: bool = False) -> bool:
     """Join a cluster (address or RAY_ADDRESS) or start an embedded local one; True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = dict(include_dashboard=False, logging_level=getattr(logging, level.upper()), log_to_driver=True)
+    kwargs = dict(include_dashboard=False, logging_level=getattr(logging, level.upper()), log_to_driver=verbose)
     if address:
         ray.init(address=address, **kwargs)
     else:
@@ -162,8 +161,9 @@ class _Progress:
 
 
 def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, progress: bool = True,
-            log_level: str = "warning") -> dict:
-    """Run (or resume) a job to completion; returns the summary."""
+            log_level: str = "warning", verbose: bool = False) -> dict:
+    """Run (or resume) a job to completion; returns the summary. Unless `verbose`, the workers' own output
+    (model loading, conversion progress, Ray's task messages) goes to log files (`worker_logs`)."""
     import ray
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
@@ -171,7 +171,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
 
     spec = _absolute(spec)
     storage = open_storage(spec.output.path)
-    shards, total = scan(spec.input.path, spec.input.id_column, spec.resources.shard_size)
+    shards, total = scan(spec.input.path, spec.input.key_column, spec.resources.shard_size)
     manifest = prepare_output(spec, storage, shards, total, overwrite)
     storage.put(MANIFEST, json.dumps(manifest, indent=2).encode())
     todo = deque(s for s in shards if s.part not in manifest["parts"])
@@ -182,12 +182,20 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
         storage.put(SUCCESS, b"")
         return _summary(manifest, prog, resumed=done_rows, ran=0)
 
-    started = _init_ray(address, log_level)
+    started = _init_ray(address, log_level, verbose)
+    logs_dir = None if verbose else worker_logs_dir(spec)
+    if started:  # an embedded Ray: the workers share this machine's cache, so fetch here, where it is seen
+        from workers.fetch import localize
+
+        for source in (spec.models.target, spec.models.draft if spec.speculation.method == "draft_model" else None):
+            localize(source)
     res = spec.resources
     gpus = spec.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
     # restarts are unlimited; each call is retried max_retries times when its process dies (see the docstring)
     env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
     env["SPECBATCH_LOG_LEVEL"] = log_level
+    if logs_dir:
+        env["SPECBATCH_WORKER_LOGS"] = logs_dir
     actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=gpus, max_restarts=-1,
                                                      max_task_retries=res.max_retries, max_concurrency=2,
                                                      runtime_env={"env_vars": env})
@@ -224,7 +232,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
             except (RayActorError, RayError) as exc:
                 raise JobError(f"shard {shard.index} ({shard.part}) failed {res.max_retries + 1} times "
                                f"(resources.max_retries); last error: {_cause(exc)}") from None
-            manifest["parts"][out["part"]] = {"rows": out["rows"], "sha256": out["sha256"], "errors": out["errors"]}
+            manifest["parts"][out["part"]] = {k: out[k] for k in ("rows", "sha256", "errors", *COUNTS)}
             if time.monotonic() - last_write > MANIFEST_EVERY_S:  # not per part: that is quadratic in parts
                 storage.put(MANIFEST, json.dumps(manifest).encode())
                 last_write = time.monotonic()
@@ -243,8 +251,13 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     missing = [s.part for s in shards if s.part not in manifest["parts"]]
     if missing:
         raise JobError(f"parts missing after the run: {missing[:5]}")
+    if spec.output.format == "openai_batch":  # a worker may have died between a part and its JSONL
+        have = set(storage.list(OPENAI_DIR))
+        for part in manifest["parts"]:
+            if jsonl_name(part) not in have:
+                commit_jsonl(storage, part, storage.read_bytes(part), spec.models.target.path)
     storage.put(SUCCESS, b"")
-    return _summary(manifest, prog, resumed=done_rows, ran=prog.rows)
+    return {**_summary(manifest, prog, resumed=done_rows, ran=prog.rows), "worker_logs": logs_dir}
 
 
 class _Watchdog:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
 from workers.inputs import InputSpec
+from workers.outputs import OutputSpec
 from workers.worker import WorkerSpec
 
 # keys that change how fast a job runs, not what it writes: changing them keeps an output resumable
@@ -27,10 +28,6 @@ OUTPUT_NEUTRAL = ("name", "resources.num_workers", "resources.gpus_per_worker", 
 
 class ConfigError(ValueError):
     """A config the job refuses; the message names the key."""
-
-
-class OutputSpec(Config):
-    path: str = Field(description="local folder or `s3://bucket/prefix/`")
 
 
 class ResourcesSpec(Config):
@@ -79,7 +76,7 @@ class JobSpec(Config):
         if self.speculation.method != "draft_model":
             models = models.model_copy(update={"draft": None})  # no second model to load
         return WorkerSpec(models=models, generation=self.generation, speculation=self.speculation, input=self.input,
-                          output_path=self.output.path, batch_size=self.resources.batch_size,
+                          output=self.output, batch_size=self.resources.batch_size,
                           gpu_memory_fraction=self.resources.gpu_memory_fraction,
                           use_gpu=gpus > 0)
 

@@ -28,7 +28,7 @@ def chaos_config(tmp_path, tiny_pair, n=240, **over):
 def reference(tiny_pair, tmp_path_factory, ray_session):
     """An uninterrupted run of the rows the chaos tests use: id -> tokens."""
     tmp = tmp_path_factory.mktemp("reference")
-    path, _ = chaos_config(tmp, tiny_pair)
+    path, _ = chaos_config(tmp, tiny_pair, 480)
     run_job(load_spec(path), progress=False)
     out, _ = read_out(tmp / "out")
     return {k: r["token_ids"] for k, r in out.items()}
@@ -82,7 +82,7 @@ def test_a_worker_dying_mid_shard_costs_a_retry_not_a_row(tmp_path, tiny_pair, r
 def test_workers_sigkilled_ten_times_during_a_job(tmp_path, tiny_pair, reference, ray_session):
     """SIGKILL of a worker process at random moments of its life (loading its models, generating,
     committing), ten times: Ray restarts it and retries its shard; the job completes with every row once."""
-    path, _ = chaos_config(tmp_path, tiny_pair, resources__max_retries=20)
+    path, _ = chaos_config(tmp_path, tiny_pair, 480, resources__max_retries=20)  # long enough for 10 kills
     kills: list[str] = []  # what each killed process was doing (Ray's process title)
     done = threading.Event()
     rng = random.Random(0)
@@ -115,8 +115,8 @@ def test_workers_sigkilled_ten_times_during_a_job(tmp_path, tiny_pair, reference
     loading = sum("__init__" in k for k in kills)
     working = sum(".process" in k for k in kills)
     assert loading >= 3 and working >= 3, kills
-    assert summary["rows_committed"] == 240
-    check(tmp_path, reference, 240)
+    assert summary["rows_committed"] == 480
+    check(tmp_path, reference, 480)
 
 
 def test_driver_sigkilled_five_times_then_rerun(tmp_path, tiny_pair, reference):

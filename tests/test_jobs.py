@@ -18,7 +18,8 @@ def test_job_end_to_end(tmp_path, tiny_pair, ray_session):
     summary = run_job(load_spec(path), progress=False)
     out = tmp_path / "out"
     names = sorted(os.listdir(out))
-    assert names == ["_SUCCESS", "_manifest.json"] + [f"part-{i:05d}.parquet" for i in range(4)]
+    assert names == ["_SUCCESS", "_logs", "_manifest.json"] + [f"part-{i:05d}.parquet" for i in range(4)]
+    assert os.listdir(out / "_logs")  # the workers' own output went to their log files
     rows, table = read_out(out)
     assert table.column_names == COLUMNS
     assert table.num_rows == 10 and sorted(rows) == sorted(f"r{i}" for i in range(10))

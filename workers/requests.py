@@ -1,0 +1,102 @@
+"""What a row asks for: its prompt and its own sampling settings, from plain rows (`input.sampling_columns`)
+or from OpenAI Batch API request lines (`input.format: openai_batch`); and the OpenAI Batch output line
+of a finished row.
+
+An OpenAI request line is `{"custom_id", "method": "POST", "url", "body"}` with `url`
+`/v1/chat/completions` (`body.messages`) or `/v1/completions` (`body.prompt`, a string). Body keys map
+to the row's settings: `max_tokens` / `max_completion_tokens` -> max_new_tokens, `temperature`, `top_p`,
+`top_k`, `seed`, `stop` (a string or a list of strings). Keys that do not change what is generated
+(`model`, `n` of 1, `stream` false, `user`, `metadata`, `store`) are accepted; any other key is named in
+the row's `warnings` column, never silently dropped. A row that cannot be served becomes an error row.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from pydantic import ValidationError
+
+from specdec.config import SamplingParams
+
+SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+_BODY = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
+         "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
+_HARMLESS = {"model": None, "n": 1, "stream": False, "user": None, "metadata": None, "store": None}
+URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+
+def settings(default: SamplingParams, overrides: dict) -> SamplingParams:
+    """The row's settings: the job's `generation` with the row's own values; raises ValueError("bad_sampling: ...")."""
+    if not overrides:
+        return default
+    values = dict(overrides)
+    stop = values.get("stop")
+    if isinstance(stop, str):
+        values["stop"] = (stop,)
+    try:
+        return SamplingParams.model_validate({**default.model_dump(), **values})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"bad_sampling: {key}: {first['msg']}") from None
+
+
+def row_overrides(row: dict, columns: list[str]) -> dict:
+    """The settings a plain row carries in `input.sampling_columns` (null: the job's)."""
+    return {c: row[c] for c in columns if row.get(c) is not None}
+
+
+def openai_request(row: dict) -> tuple[dict, dict, list[str]]:
+    """(prompt fields, setting overrides, unknown body keys) of an OpenAI Batch request line; raises
+    ValueError("bad_request: ...")."""
+    url, body = row.get("url"), row.get("body")
+    if row.get("method", "POST") != "POST" or url not in URLS:
+        raise ValueError(f"bad_request: method {row.get('method')!r} url {url!r}; supported: POST "
+                         f"{' or '.join(URLS)}")
+    if not isinstance(body, dict):
+        raise ValueError("bad_request: body must be an object")
+    field = URLS[url]
+    prompt = {field: body.get(field)}
+    overrides, unknown = {}, []
+    for key, value in body.items():
+        if key == field or value is None:
+            continue
+        if key in _BODY:
+            overrides[_BODY[key]] = value
+        elif key in _HARMLESS and (_HARMLESS[key] is None or value == _HARMLESS[key]):
+            continue
+        else:
+            unknown.append(key)
+    return prompt, overrides, sorted(unknown)
+
+
+def openai_response(row: dict, chat: bool, model: str) -> dict:
+    """The OpenAI Batch output line of one output row (a dict of the Parquet part's columns); `chat`: its
+    request was a chat completion."""
+    line = {"id": f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, str(row['id'])).hex}", "custom_id": row["id"]}
+    if row["finish_reason"] == "error":
+        code, _, message = (row["error"] or "error").partition(": ")
+        return {**line, "response": None, "error": {"code": code, "message": message or code}}
+    choice = {"index": 0, "finish_reason": row["finish_reason"], "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": row["completion"]}
+    else:
+        choice["text"] = row["completion"]
+    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["generated_tokens"],
+             "total_tokens": row["prompt_tokens"] + row["generated_tokens"]}
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{line['id'][10:34]}",
+            "object": "chat.completion" if chat else "text_completion", "model": model,
+            "choices": [choice], "usage": usage}
+    return {**line, "response": {"status_code": 200, "request_id": line["id"], "body": body}, "error": None}
+
+
+def interpret(row: dict, inp) -> tuple[dict, object, dict, list[str], bool]:
+    """(the fields to render its prompt from, the InputSpec to render them with, setting overrides, unknown
+    request keys, whether it is a chat request) of one input row under `inp` (workers.inputs.InputSpec)."""
+    if inp.format != "openai_batch":
+        return row, inp, row_overrides(row, inp.sampling_columns), [], bool(inp.messages_column or inp.chat_template)
+    prompt, overrides, unknown = openai_request(row)
+    chat = "messages" in prompt
+    view = inp.model_copy(update={"messages_column": "messages" if chat else None, "prompt_column": "prompt",
+                                  "chat_template": False})
+    return prompt, view, overrides, unknown, chat

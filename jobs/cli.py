@@ -1,7 +1,8 @@
 """specbatch: offline batch generation with speculative decoding.
 
   specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite]
-  specbatch status CONFIG.yaml|OUTPUT_PATH
+  specbatch status CONFIG.yaml|OUTPUT_PATH [--json]
+  specbatch report OUTPUT_PATH --out DIR [--baseline OUTPUT_PATH] [--gpu-hour-price USD | --cpu-hour-price USD | --prices YAML]
   specbatch train-head CONFIG.yaml --out DIR
   specbatch config-reference
 """
@@ -87,6 +88,25 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    """Write a cost report of a job's output (local or S3): report.md, a self-contained report.html, report.json
+    and PNG plots in --out."""
+    from .report import Prices, ReportError, write
+
+    try:
+        figures = write(args.output, args.out, Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price),
+                        args.baseline)
+    except ReportError as exc:
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 1
+    cost = figures["usd_per_million_tokens"]
+    print(f"specbatch: report written to {args.out}/report.html ({figures['generated_tokens']:,} tokens"
+          + (f", ${cost:.4f} per 1M output tokens" if cost is not None else "")
+          + (f", speed-up {figures['speedup']:.2f}x against {figures['speedup_from']}" if figures["speedup"] else "")
+          + ")")
+    return 0
+
+
 def cmd_train_head(args) -> int:
     """Train a SpecDec++ acceptance head for the job's draft/target pair on the job's prompts."""
     from .train_head import format_report, run_train_head
@@ -147,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
                          "fed: the state after the token was fed back (the SpecDec++ paper's; one more forward)")
     th.add_argument("--no-progress", action="store_true")
     th.set_defaults(fn=cmd_train_head)
+    rep = sub.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
+    rep.add_argument("output", help="the job's output path (local or s3://)")
+    rep.add_argument("--out", required=True, help="folder for the report")
+    rep.add_argument("--baseline", help="the output of an autoregressive run of the same prompts (default: the "
+                                        "job's control shards, if it has any)")
+    rep.add_argument("--gpu-hour-price", type=float, help="USD per GPU-hour")
+    rep.add_argument("--cpu-hour-price", type=float, help="USD per CPU worker-hour")
+    rep.add_argument("--prices", help="a price table (configs/prices.yaml)")
+    rep.set_defaults(fn=cmd_report)
     ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
     ref.set_defaults(fn=cmd_reference)
     args = ap.parse_args(argv)

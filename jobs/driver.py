@@ -80,8 +80,10 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
                 "re-run with --overwrite to discard them, or choose another output.path")
     elif overwrite:
         _clear(storage)
-    parts = {}
+    parts, wall_s = {}, 0.0
     committed = {n for n in storage.list("part-") if n.endswith(".parquet")}
+    if raw is not None and not overwrite:
+        wall_s = json.loads(raw).get("wall_s", 0.0)  # earlier runs' wall time (a killed run's is lost)
     if raw is not None and not overwrite:
         parts = {k: v for k, v in json.loads(raw).get("parts", {}).items() if k in committed}
     for name in sorted(committed - set(parts)):  # committed after the last manifest update
@@ -92,8 +94,17 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
         "spec": spec.model_dump(mode="json"),
         "input": {"rows": total, "files": sorted({s.file for s in shards})},
         "num_shards": len(shards),
+        "wall_s": wall_s,
         "parts": parts,
     }
+
+
+PART_KEYS = ("rows", "sha256", "errors", *COUNTS, "control", "device", "worker", "wall_s")  # a part's manifest entry
+
+
+def is_control(index: int, fraction: float) -> bool:
+    """Whether shard `index` is a control shard: evenly spaced, `fraction` of all shards, the same on every run."""
+    return int((index + 1) * fraction) > int(index * fraction)
 
 
 def worker_logs_dir(spec: JobSpec) -> str:
@@ -212,7 +223,8 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
         def submit(w) -> None:
             if todo:
                 shard = todo.popleft()
-                inflight[w.process.remote(shard.to_dict())] = (w, shard)
+                control = is_control(shard.index, spec.speculation.control_fraction)
+                inflight[w.process.remote({**shard.to_dict(), "control": control})] = (w, shard)
 
         for w in workers:
             submit(w)
@@ -232,7 +244,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
             except (RayActorError, RayError) as exc:
                 raise JobError(f"shard {shard.index} ({shard.part}) failed {res.max_retries + 1} times "
                                f"(resources.max_retries); last error: {_cause(exc)}") from None
-            manifest["parts"][out["part"]] = {k: out[k] for k in ("rows", "sha256", "errors", *COUNTS)}
+            manifest["parts"][out["part"]] = {k: out[k] for k in PART_KEYS}
             if time.monotonic() - last_write > MANIFEST_EVERY_S:  # not per part: that is quadratic in parts
                 storage.put(MANIFEST, json.dumps(manifest).encode())
                 last_write = time.monotonic()
@@ -247,6 +259,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 pass
         if started:
             ray.shutdown()
+    manifest["wall_s"] += time.perf_counter() - prog.t0
     storage.put(MANIFEST, json.dumps(manifest).encode())
     missing = [s.part for s in shards if s.part not in manifest["parts"]]
     if missing:

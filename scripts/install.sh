@@ -12,3 +12,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$PY" -m pip install -q -e '.[test]'
+# the report test opens report.html in a real headless browser: Debian's chromium, where apt can install it
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+    || echo "install.sh: could not install chromium (tests/test_report.py needs it)" >&2
+fi

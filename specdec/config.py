@@ -126,6 +126,9 @@ class SpecConfig(Config):
                                               "alignment_sampling}` of `prompt_lookup`")
     fuzzy: FuzzyConfig | None = Field(None, description="`{divergence, threshold}` of `verification: fuzzy`")
     conditional: ConditionalConfig | None = Field(None, description="`{alpha, beta}` of `verification: conditional`")
+    control_fraction: float = Field(0.0, ge=0.0, le=1.0, description="this share of a job's shards (evenly spaced "
+                                    "by shard number) runs without speculation on the same workers: rows say "
+                                    "`control: true`, and `specbatch report` measures the job's own speed-up")
 
     @model_validator(mode="before")
     @classmethod

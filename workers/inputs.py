@@ -89,6 +89,7 @@ class Shard:
     line: int  # jsonl: line number of the first record (1-based, blank lines counted); Parquet: start + 1
     nbytes: int = -1  # jsonl: bytes from `offset` to the end of the shard's last line
     skip: int = 0  # Parquet: rows of the first row group before the shard's first
+    control: bool = False  # run without speculation (speculation.control_fraction)
 
     def to_dict(self) -> dict:
         return asdict(self)

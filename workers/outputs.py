@@ -29,7 +29,7 @@ _TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "gener
           "mean_accepted_length": pa.float64(), "verification": pa.string(), "wall_s": pa.float64()}
 SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
                    + [(name, _TYPES[name]) for name in SampleResult.COLUMNS]
-                   + [("warnings", pa.string()), ("chat", pa.bool_())])
+                   + [("warnings", pa.string()), ("chat", pa.bool_()), ("control", pa.bool_())])
 
 
 class OutputSpec(Config):

@@ -51,6 +51,22 @@ def fault(name: str) -> bool:
     return True
 
 
+def device_name(device) -> str:
+    """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        model = platform.processor() or platform.machine()
+    return f"cpu: {model}"
+
+
 def out_of_memory(exc: BaseException) -> bool:
     text = str(exc).lower()
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
@@ -79,6 +95,8 @@ class GenerationWorker:
         self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.device_name = device_name(self.engine.device)
+        self._control = None
         self._last_progress = time.monotonic()
 
     def ready(self) -> str:
@@ -119,7 +137,8 @@ class GenerationWorker:
             except ValueError as exc:
                 results[i] = SampleResult.failed(rec.id, 0, str(exc))
         todo = list(prompts)
-        results.update(zip(todo, self.generate([prompts[i] for i in todo], [records[i].id for i in todo],
+        engine = self.control_engine() if shard.control else self.engine
+        results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
                                                [params[i] for i in todo])))
         if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
@@ -130,7 +149,7 @@ class GenerationWorker:
                                                     r.stop_string)
             row = rec.row if rec.row is not None else {}
             rows.append({"id": rec.id, "completion": text, **r.stats(), "warnings": warnings.get(i),
-                         "chat": chat.get(i), **{k: row.get(k) for k in keep}})
+                         "chat": chat.get(i), "control": shard.control, **{k: row.get(k) for k in keep}})
         data = parquet_bytes(rows, keep)
         created = self.storage.put_if_absent(shard.part, data)
         if not created:  # another attempt committed it first: that part stands, ours is dropped
@@ -139,17 +158,28 @@ class GenerationWorker:
             commit_jsonl(self.storage, shard.part, data, self.spec.models.target.path)
         return {
             **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
+            "control": shard.control, "device": self.device_name,
             "wall_s": time.perf_counter() - t0,
             "worker": self.name,
             "step_path": self.engine.step_path,
             "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
 
-    def generate(self, prompts: list[list[int]], keys: list[str], params: list[SamplingParams]) -> list[SampleResult]:
+    def control_engine(self):
+        """The engine of control shards: the same pair and batch size, no speculation."""
+        if self._control is None:
+            from specdec.engine import SpecEngine
+
+            self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
+                                       batch_size=self.engine.batch_size,
+                                       gpu_memory_fraction=self.spec.gpu_memory_fraction)
+        return self._control
+
+    def generate(self, engine, prompts: list[list[int]], keys: list[str],
+                 params: list[SamplingParams]) -> list[SampleResult]:
         """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
         fails, as an error row."""
-        engine = self.engine
         try:
             inject = int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))  # test hook: batches above N rows OOM
             if inject and min(engine.batch_size, len(prompts)) > inject:
@@ -161,11 +191,11 @@ class GenerationWorker:
         _free_memory()
         if engine.batch_size > 1 and len(prompts) > 1:
             engine.batch_size = max(1, min(engine.batch_size, len(prompts)) // 2)
-            return self.generate(prompts, keys, params)
+            return self.generate(engine, prompts, keys, params)
         if len(prompts) > 1:
             mid = len(prompts) // 2
-            return (self.generate(prompts[:mid], keys[:mid], params[:mid])
-                    + self.generate(prompts[mid:], keys[mid:], params[mid:]))
+            return (self.generate(engine, prompts[:mid], keys[:mid], params[:mid])
+                    + self.generate(engine, prompts[mid:], keys[mid:], params[mid:]))
         return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone")]
 
     def _peak_gpu_bytes(self) -> int | None:

@@ -3,6 +3,8 @@
   specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite]
   specbatch status CONFIG.yaml|OUTPUT_PATH [--json]
   specbatch report OUTPUT_PATH --out DIR [--baseline OUTPUT_PATH] [--gpu-hour-price USD | --cpu-hour-price USD | --prices YAML]
+  specbatch profile CONFIG.yaml --out profile.json
+  specbatch estimate OUTPUT_PATH --profile profile.json [--batch-size B] [--draft-length recorded|none|fixed:K|goodput]
   specbatch train-head CONFIG.yaml --out DIR
   specbatch config-reference
 """
@@ -107,6 +109,44 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    """Measure the job's model pair on this machine (draft and target forward times per batch size and width,
+    prefill) into a profile for `specbatch estimate`."""
+    from .estimate import profile_job
+
+    prof = profile_job(load_spec(args.config, args.set), args.out)
+    print(f"specbatch: profile of {prof.hardware} written to {args.out}")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    """Predict a finished job's throughput and cost at another batch size, draft-length policy or machine
+    (a profile from `specbatch profile`), by replaying its recorded rows."""
+    from specdec.costmodel import Profile
+
+    from .estimate import estimate, job_rows
+    from .report import Prices
+
+    rows, manifest = job_rows(args.output)
+    batch = args.batch_size or manifest["spec"]["resources"]["batch_size"]
+    prof = Profile.load(args.profile)
+    est = estimate(rows, manifest, prof, batch, args.draft_length)
+    hourly = Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price).hourly(prof.hardware.split(",")[0])
+    est["usd_per_million_tokens"] = hourly * est["seconds"] / 3600 / est["tokens"] * 1e6 if hourly else None
+    est["profile"] = prof.hardware
+    if args.json:
+        print(json.dumps(est))
+        return 0
+    m = est["measured"]
+    print(f"specbatch: {len(rows)} rows at batch {batch}, draft length {args.draft_length}, on {prof.hardware}: "
+          f"{est['tokens_per_s']:.1f} tokens/s per worker predicted ({est['seconds']:.1f} worker-s)"
+          + (f", ${est['usd_per_million_tokens']:.4f} per 1M output tokens" if est["usd_per_million_tokens"] else "")
+          + (f"; the job itself ran {m['tokens_per_s']:.1f} tokens/s per worker" if m["tokens_per_s"] else "")
+          + (f" (the profile calibrated by it: x{est['calibration']:.2f})" if est["calibrated"] else
+             " (the profile is another machine's: not calibrated)"))
+    return 0
+
+
 def cmd_train_head(args) -> int:
     """Train a SpecDec++ acceptance head for the job's draft/target pair on the job's prompts."""
     from .train_head import format_report, run_train_head
@@ -176,6 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--cpu-hour-price", type=float, help="USD per CPU worker-hour")
     rep.add_argument("--prices", help="a price table (configs/prices.yaml)")
     rep.set_defaults(fn=cmd_report)
+    pro = sub.add_parser("profile", help=cmd_profile.__doc__, description=cmd_profile.__doc__)
+    pro.add_argument("config")
+    pro.add_argument("--out", required=True, help="profile JSON to write")
+    pro.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pro.set_defaults(fn=cmd_profile)
+    est = sub.add_parser("estimate", help=cmd_estimate.__doc__, description=cmd_estimate.__doc__)
+    est.add_argument("output", help="a finished job's output path")
+    est.add_argument("--profile", required=True, help="from `specbatch profile` (this or another machine)")
+    est.add_argument("--batch-size", type=int, help="default: the job's")
+    est.add_argument("--draft-length", default="recorded",
+                     help="recorded (the job's own rounds), none, fixed:K or goodput")
+    est.add_argument("--gpu-hour-price", type=float)
+    est.add_argument("--cpu-hour-price", type=float)
+    est.add_argument("--prices")
+    est.add_argument("--json", action="store_true")
+    est.set_defaults(fn=cmd_estimate)
     ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
     ref.set_defaults(fn=cmd_reference)
     args = ap.parse_args(argv)

@@ -40,6 +40,7 @@ class Profile:
     target: dict[int, dict[int, float]] = field(default_factory=dict)  # bucket -> width -> seconds
     prefill_fixed: float = 0.0  # a prefill call's cost beyond its rows' share
     draft_prefill: float = 0.0  # one row's draft prefill
+    prefill_token: float = 0.0  # the target's prefill per prompt token (measured by `specbatch profile`)
     hardware: str = ""
 
     def drafting(self, b: int, k: int) -> float | None:
@@ -82,7 +83,7 @@ class Profile:
         return cls(draft_one=ints(data["draft_one"]), draft_two=ints(data["draft_two"]),
                    target={int(b): ints(t) for b, t in data["target"].items()},
                    prefill_fixed=data["prefill_fixed"], draft_prefill=data["draft_prefill"],
-                   hardware=data.get("hardware", ""))
+                   prefill_token=data.get("prefill_token", 0.0), hardware=data.get("hardware", ""))
 
 
 class CostModel:

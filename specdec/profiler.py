@@ -25,7 +25,9 @@ from .rounds import Rounds
 OPTIMISTIC = 0.8  # per-token acceptance the profile allows a pair it has not seen yet
 
 
-def measure(engine, context: int = 64, samples: int = 2) -> Profile:
+def measure(engine, context: int = 64, samples: int = 2, every_width: bool = False) -> Profile:
+    """The engine's cost profile; `every_width` times every verification width up to max_draft_tokens + 1
+    (for estimates of other policies), not only those that could win."""
 
     m, cap, dev = engine.spec.max_draft_tokens, engine.batch_size, engine.device
     g = torch.Generator().manual_seed(0)
@@ -80,7 +82,7 @@ def measure(engine, context: int = 64, samples: int = 2) -> Profile:
         target = profile.target[b] = {}
         for w in range(1, m + 2):
             k = w - 1
-            if k and not worth_timing(profile, b, k):
+            if k and not every_width and not worth_timing(profile, b, k):
                 break
             target[w] = verify_seconds(n, w)
 

@@ -189,36 +189,29 @@ def plots(acc: dict) -> dict[str, bytes]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = {}
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    hist = acc["accept_hist"]
-    ax.bar(range(len(hist)), [100 * h for h in hist], color="#4c72b0")
-    ax.set_xticks(range(len(hist)))
-    ax.set_xlabel("drafted tokens accepted in a round (tokens)")
-    ax.set_ylabel("share of drafting rounds (%)")
-    ax.set_title("Accept lengths")
-    out["accept_lengths.png"] = _png(fig)
-    plt.close(fig)
+    def bars(name: str, shares: list[float], xlabel: str, ylabel: str, title: str, color: str) -> None:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar(range(len(shares)), [100 * h for h in shares], color=color)
+        ax.set_xticks(range(len(shares)))
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        out[name] = _png(fig)
+        plt.close(fig)
+
+    out: dict[str, bytes] = {}
+    bars("accept_lengths.png", acc["accept_hist"], "drafted tokens accepted in a round (tokens)",
+         "share of drafting rounds (%)", "Accept lengths", "#4c72b0")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     pos = acc["by_position"]
     ax.plot([j for j, _ in pos], [100 * r for _, r in pos], marker="o", color="#dd8452")
     ax.set_xticks([j for j, _ in pos])
-    ax.set_xlabel("position in the draft (token)")
-    ax.set_ylabel("accepted, of rounds drafting that far (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title("Acceptance by draft position")
+    ax.set(xlabel="position in the draft (token)", ylabel="accepted, of rounds drafting that far (%)",
+           ylim=(0, 100), title="Acceptance by draft position")
     out["acceptance_by_position.png"] = _png(fig)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    dh = acc["draft_hist"]
-    total = max(1, sum(dh))
-    ax.bar(range(len(dh)), [100 * h / total for h in dh], color="#55a868")
-    ax.set_xticks(range(len(dh)))
-    ax.set_xlabel("tokens drafted in a round (tokens; 0 = plain decoding)")
-    ax.set_ylabel("share of rounds (%)")
-    ax.set_title("Draft lengths the policy chose")
-    out["draft_lengths.png"] = _png(fig)
-    plt.close(fig)
+    total = max(1, sum(acc["draft_hist"]))
+    bars("draft_lengths.png", [h / total for h in acc["draft_hist"]],
+         "tokens drafted in a round (tokens; 0 = plain decoding)", "share of rounds (%)",
+         "Draft lengths the policy chose", "#55a868")
     return out
 
 

@@ -46,6 +46,7 @@ from .proposers.prompt_lookup import PromptLookupProposer
 from .rounds import Rounds
 from .runner import ModelRunner, pow2_at_least
 from .stops import StopStrings
+from .tp import TPRunner
 from .widths import VerifyWidths
 
 
@@ -148,6 +149,9 @@ class SpecEngine:
         # more, so that no attention window (a power of two, specdec/runner.py) spans the whole buffer
         max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_nodes + 2)) + 1
         for name, model in self._models().items():
+            if name == "target" and self.pair.tp is not None:  # a tensor-parallel target: every rank allocates
+                self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
+                continue
             cache = RaggedKVCache(model, rows, max_len)
             self._runners[name] = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path,
                                               graphs=self.step_graphs)
@@ -166,6 +170,8 @@ class SpecEngine:
         runner = self._runners.get("target")
         if runner is not None:
             return runner.path
+        if self.pair.tp is not None:
+            return f"lean-tp{self.pair.tp.group.world}"
         from . import llama
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"

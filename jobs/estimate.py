@@ -69,7 +69,8 @@ def job_rows(path: str) -> tuple[list[dict], dict]:
     cols = ["error", "prompt_tokens", "generated_tokens", "draft_lengths", "accept_lengths"]
     rows = []
     for name in sorted(n for n in st.list("part-") if n.endswith(".parquet")):
-        t = pq.read_table(io.BytesIO(st.read_bytes(name)), columns=cols).to_pylist()
+        # no Arrow thread pool: its threads can abort a short-lived process at exit (apache/arrow#34314)
+        t = pq.read_table(io.BytesIO(st.read_bytes(name)), columns=cols, use_threads=False).to_pylist()
         rows += [r for r in t if not r["error"]]
     return rows, manifest
 

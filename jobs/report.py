@@ -112,7 +112,7 @@ def load(path: str) -> Figures:
     control_tokens, control_s = 0, 0.0
     for name in names:
         entry = m["parts"][name]
-        t = pq.read_table(io.BytesIO(st.read_bytes(name)))
+        t = pq.read_table(io.BytesIO(st.read_bytes(name)), use_threads=False)
         t = t.select([c for c in columns if c in t.column_names]).to_pydict()
         tables.append(t)
         device = entry.get("device", "unknown")

@@ -6,14 +6,17 @@ naming the key; `--set dotted.key=value` overrides are applied before validation
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import os
+import re
 import types
 import typing
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
 from workers.inputs import InputSpec
@@ -28,6 +31,37 @@ OUTPUT_NEUTRAL = ("name", "resources.num_workers", "resources.gpus_per_worker", 
 
 class ConfigError(ValueError):
     """A config the job refuses; the message names the key."""
+
+
+DATE_ENV = "SPECBATCH_DATE"  # the date `{date}` stands for, when not today's (UTC)
+
+
+def run_date(date: str | None = None) -> str:
+    """The date `{date}` in output.path stands for: `date` (`--date`), else $SPECBATCH_DATE, else today (UTC)."""
+    for value, source in ((date, "--date"), (os.environ.get(DATE_ENV), DATE_ENV)):
+        if value:
+            try:
+                if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", value):
+                    raise ValueError
+                return datetime.date.fromisoformat(value).isoformat()
+            except ValueError:
+                raise ConfigError(f"{source} {value!r} is not a date as YYYY-MM-DD (what {{date}} in output.path "
+                                  "stands for)") from None
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def resolve_output_path(path: str, date: str | None = None) -> str:
+    """An output path with `{date}` replaced by the run's date (`run_date`); any other placeholder is refused."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) != "date":
+            raise ConfigError(f"output.path: unknown placeholder {m.group(0)} in {path!r}; the one allowed is {{date}} "
+                              "(the run's UTC date, YYYY-MM-DD)")
+        return run_date(date)
+
+    out = re.sub(r"\{([^{}]*)\}", sub, path)
+    if "{" in out or "}" in out:
+        raise ConfigError(f"output.path: unmatched brace in {path!r}; the one placeholder allowed is {{date}}")
+    return out
 
 
 class ResourcesSpec(Config):
@@ -56,14 +90,23 @@ class JobSpec(Config):
     speculation: SpecConfig = Field(default_factory=SpecConfig, description="drafting and verification")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="workers and batching")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dated_output(cls, data: Any, info: ValidationInfo) -> Any:
+        """`{date}` in output.path becomes the run's date (the validation context's `date`, else $SPECBATCH_DATE,
+        else today, UTC): the spec, its fingerprint and the manifest hold the resolved path."""
+        out = data.get("output") if isinstance(data, dict) else None
+        if isinstance(out, dict) and isinstance(out.get("path"), str):
+            date = (info.context or {}).get("date")
+            data = {**data, "output": {**out, "path": resolve_output_path(out["path"], date)}}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.speculation.method == "draft_model" and self.models.draft is None:
             raise ValueError("speculation.method draft_model needs models.draft")
         if not self.input.prompt_column and not self.input.messages_column:
             raise ValueError("input needs prompt_column or messages_column")
-        if self.models.target.tensor_parallel != 1:
-            raise ValueError("models.target.tensor_parallel > 1 is not available yet")
         return self
 
     def gpus_per_worker(self, cluster_gpus: float) -> float:
@@ -78,7 +121,8 @@ class JobSpec(Config):
         return WorkerSpec(models=models, generation=self.generation, speculation=self.speculation, input=self.input,
                           output=self.output, batch_size=self.resources.batch_size,
                           gpu_memory_fraction=self.resources.gpu_memory_fraction,
-                          use_gpu=gpus > 0)
+                          use_gpu=gpus > 0, cpus_per_rank=self.resources.cpus_per_worker, gpus_per_rank=gpus,
+                          group_timeout_s=self.resources.shard_timeout_s or 1800.0)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes output rows (not the OUTPUT_NEUTRAL keys)."""
@@ -129,7 +173,8 @@ def _format(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def parse_spec(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+def parse_spec(data: dict, overrides: list[str] | tuple[str, ...] = (), date: str | None = None) -> JobSpec:
+    """A validated spec; `date` (YYYY-MM-DD) is what `{date}` in output.path stands for (default: run_date())."""
     data = json.loads(json.dumps(data or {}))  # a deep copy
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -137,12 +182,12 @@ def parse_spec(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> JobSp
             raise ConfigError(f"--set {item!r}: write dotted.key=value")
         _set(data, key.strip(), yaml.safe_load(raw))
     try:
-        return JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, context={"date": date})
     except ValidationError as exc:
         raise ConfigError(f"config error: {_format(exc)}") from None
 
 
-def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (), date: str | None = None) -> JobSpec:
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -152,7 +197,7 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections")
-    return parse_spec(data, overrides)
+    return parse_spec(data, overrides, date)
 
 
 def _section(annotation) -> type[BaseModel] | None:

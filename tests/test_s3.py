@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,32 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from job_helpers import moto_s3
+
 SECRET = "SECRET-do-not-leak-7f3a9c"
 
 
 @pytest.fixture(scope="module")
 def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "AKIDTESTING",
-           "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket="bucket")
-    yield env
-    server.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from moto_s3(SECRET)
 
 
 def s3():

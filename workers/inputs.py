@@ -29,7 +29,7 @@ from pydantic import field_validator, Field
 
 from specdec.config import Config
 
-from .storage import is_s3, list_input_files, open_input
+from .storage import input_files, is_s3, open_input
 
 
 class InputSpec(Config):
@@ -242,12 +242,23 @@ def _name(root: str, uri: str) -> str:
     return uri[len(root) + 1:]
 
 
-def scan(path: str, id_column: str, shard_size: int) -> tuple[list[Shard], int]:
-    """One streaming pass: shard descriptions (where each starts) and the record count. Refuses duplicate ids."""
-    files = list_input_files(path)
+class Shards(list):
+    """The scan's shards, with `files`: the input files they were read from, each with its size and ETag or
+    mtime_ns (`storage.input_files`, listed before reading), which the output manifest keeps to tell a changed
+    input from the one its parts were made of."""
+
+    files: list[dict] = []
+
+
+def scan(path: str, id_column: str, shard_size: int) -> tuple[Shards, int]:
+    """One streaming pass: shard descriptions (where each starts; `.files`: the input's files) and the record
+    count. Refuses duplicate ids."""
+    listed = input_files(path)
+    files = [f["path"] for f in listed]
     if not files:
         raise InputError(f"no .jsonl or .parquet input under {path}")
-    shards: list[Shard] = []
+    shards = Shards()
+    shards.files = listed
     hashes: list[np.ndarray] = []
     total = 0
     for f in files:

@@ -2,7 +2,7 @@
 
 `setup(level)` configures Python logging; at `debug` the AWS SDK's own debug output is on too (it logs
 request headers). Whatever the level, every log record of the process is redacted before any handler
-sees it: the values of the AWS credential variables in the environment, and the parts of signed
+sees it: the values of the AWS credential variables and `HF_TOKEN` in the environment, and the parts of signed
 requests that identify a key (`Credential=...`, `Signature=...`, security tokens).
 """
 
@@ -12,7 +12,8 @@ import logging
 import os
 import re
 
-CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
+                  "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 _SIGNED = re.compile(r"((?:Credential|Signature)=|[Xx]-[Aa]mz-[Ss]ecurity-[Tt]oken['\"]?[:=]\s*['\"]?)[^\s,'\"/&]+")
 QUIET = ("botocore", "boto3", "urllib3", "s3transfer")  # their DEBUG output includes request headers
 

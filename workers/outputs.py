@@ -33,7 +33,9 @@ SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
 
 
 class OutputSpec(Config):
-    path: str = Field(description="local folder or `s3://bucket/prefix/`")
+    path: str = Field(description="local folder or `s3://bucket/prefix/`; `{date}` in it becomes the run's UTC date "
+                                  "(YYYY-MM-DD; `--date` or `SPECBATCH_DATE` name another day, as for `status`): one "
+                                  "folder per scheduled run (no other placeholder)")
     format: Literal["parquet", "openai_batch"] = Field("parquet", description="`openai_batch`: also one OpenAI Batch "
                                                        "API output JSONL per part (`part-NNNNN.jsonl`)")
     keep_columns: list[str] = Field([], description="input columns copied into the output rows")

@@ -287,14 +287,40 @@ class S3Storage(Storage):
                lambda: self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data), "put")
 
     def list(self, prefix=""):
+        return [o["name"] for o in self.list_objects(prefix)]
+
+    def list_objects(self, prefix="") -> list[dict]:
+        """`list`, with each object's size and ETag (the listing has them: no request more)."""
         def ls():
             out = []
             pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
             for page in pages:
-                out.extend(o["Key"][len(self.prefix):] for o in page.get("Contents", []))
-            return sorted(out)
+                out.extend({"name": o["Key"][len(self.prefix):], "size": o["Size"], "etag": o["ETag"].strip('"')}
+                           for o in page.get("Contents", []))
+            return sorted(out, key=lambda o: o["name"])
 
         return _retry("ListObjectsV2", f"s3://{self.bucket}/{self._key(prefix)}", ls, "list")
+
+    def download(self, name: str, dest: str, size: int | None = None, chunk: int = 8 << 20) -> int:
+        """Stream one object into the local file `dest` (created or truncated), never whole in memory; a
+        dropped connection resumes where it stopped (a ranged GET of the same version, `If-Match` its ETag).
+        Returns the bytes written."""
+        etag: list[str] = []
+        with open(dest, "wb") as f:
+            def get():
+                if size is not None and f.tell() >= size:
+                    return
+                args = {"Bucket": self.bucket, "Key": self._key(name)}
+                if f.tell():
+                    args.update(Range=f"bytes={f.tell()}-", IfMatch=etag[0])
+                resp = self.s3.get_object(**args)
+                if not etag:
+                    etag.append(resp["ETag"])
+                for block in resp["Body"].iter_chunks(chunk):
+                    f.write(block)
+
+            _retry("GetObject", self.uri(name), get, "get")
+            return f.tell()
 
     def delete(self, name):
         _retry("DeleteObject", self.uri(name),
@@ -348,16 +374,32 @@ def open_storage(uri: str) -> Storage:
 
 def list_input_files(uri: str) -> list[str]:
     """The file or object itself, or every .jsonl/.parquet below a folder or prefix, sorted."""
+    return [f["path"] for f in input_files(uri)]
+
+
+def input_files(uri: str) -> list[dict]:
+    """`list_input_files` with what tells a file's content apart: `{path, size, etag}` on S3 (from the listing; one
+    HEAD for a single object), `{path, size, mtime_ns}` locally. The output manifest records them (jobs/driver.py)."""
     if is_s3(uri):
         if uri.endswith(INPUT_SUFFIXES):
-            return [uri]
+            u = urlparse(uri)
+            s3 = _client()
+            head = _retry("HeadObject", uri, lambda: s3.head_object(Bucket=u.netloc, Key=u.path.lstrip("/")), "head")
+            return [{"path": uri, "size": head["ContentLength"], "etag": head["ETag"].strip('"')}]
         st = S3Storage(uri)
-        return [st.uri(n) for n in st.list() if n.endswith(INPUT_SUFFIXES)]
+        return [{"path": st.uri(o["name"]), "size": o["size"], "etag": o["etag"]}
+                for o in st.list_objects() if o["name"].endswith(INPUT_SUFFIXES)]
     if os.path.isfile(uri):
-        return [os.path.abspath(uri)]
-    if not os.path.isdir(uri):
+        paths = [os.path.abspath(uri)]
+    elif os.path.isdir(uri):
+        paths = [os.path.join(os.path.abspath(uri), n) for n in LocalStorage(uri).list() if n.endswith(INPUT_SUFFIXES)]
+    else:
         raise StorageError(f"input {uri!r} does not exist")
-    return [os.path.join(os.path.abspath(uri), n) for n in LocalStorage(uri).list() if n.endswith(INPUT_SUFFIXES)]
+    out = []
+    for path in paths:
+        info = _local("stat", path, lambda p=path: os.stat(p), "head")
+        out.append({"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns})
+    return out
 
 
 def open_input(uri: str, block: int = 8 << 20):

@@ -9,8 +9,10 @@ shrinks the batch; a process failure propagates, and Ray restarts the worker and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
 
 from pydantic import Field
@@ -19,6 +21,7 @@ from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, S
 from specdec.stops import cut_at_stop
 
 from . import logs
+from .faults import fault
 from .fetch import localize
 from .inputs import InputSpec, Shard, read_shard, render_prompt
 from .outputs import OutputSpec, commit_jsonl, parquet_bytes, part_entry
@@ -36,19 +39,11 @@ class WorkerSpec(Config):
     batch_size: int = Field(ge=1)
     gpu_memory_fraction: float = Field(gt=0.0, le=1.0)
     use_gpu: bool
-
-
-def fault(name: str) -> bool:
-    """Test hook: true once per marker file named by SPECBATCH_FAULT_<NAME> (created on first use), so a
-    fault fires once per test even across worker restarts."""
-    marker = os.environ.get(f"SPECBATCH_FAULT_{name}")
-    if not marker:
-        return False
-    try:  # create-only: of two workers reaching it at once, exactly one fires
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
+    # a tensor-parallel target (models.target.tensor_parallel > 1): what each other rank asks Ray for, and how
+    # long the ranks may take to meet
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    group_timeout_s: float = 1800.0
 
 
 def device_name(device) -> str:
@@ -88,11 +83,23 @@ class GenerationWorker:
             os._exit(1)
         self.spec = spec = WorkerSpec.model_validate(spec_data)
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
-        self.pair = load_pair(localize(spec.models.target), localize(spec.models.draft), device)
+        target = localize(spec.models.target)
+        tp, self.layout = None, None
+        if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
+            from .fetch import local_snapshot
+            from .group import start
+
+            # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
+            target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
+
+            tp, self.layout = start(target, target.tensor_parallel, spec.use_gpu, spec.cpus_per_rank,
+                                    spec.gpus_per_rank, spec.group_timeout_s)
+        self.pair = load_pair(target, localize(spec.models.draft), device, tp=tp)
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.batch_size,
                                  gpu_memory_fraction=spec.gpu_memory_fraction)
-        self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
+        with _group_guard():
+            self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.device_name = device_name(self.engine.device)
@@ -101,6 +108,10 @@ class GenerationWorker:
 
     def ready(self) -> str:
         return self.name
+
+    def group_layout(self) -> list[dict] | None:
+        """Where a tensor-parallel worker's ranks run (node, GPUs, weight bytes); None for one process."""
+        return self.layout
 
     def progress(self) -> float:
         """Seconds since this worker last made progress (a round's tokens, or a shard started)."""
@@ -137,9 +148,10 @@ class GenerationWorker:
             except ValueError as exc:
                 results[i] = SampleResult.failed(rec.id, 0, str(exc))
         todo = list(prompts)
-        engine = self.control_engine() if shard.control else self.engine
-        results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
-                                               [params[i] for i in todo])))
+        with _group_guard():
+            engine = self.control_engine() if shard.control else self.engine
+            results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
+                                                   [params[i] for i in todo])))
         if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         rows = []
@@ -186,7 +198,9 @@ class GenerationWorker:
                 raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
             return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick, params=params)
         except Exception as exc:
-            if not out_of_memory(exc):
+            from specdec.tp import GroupBroken
+
+            if isinstance(exc, GroupBroken) or not out_of_memory(exc):
                 raise
         _free_memory()
         if engine.batch_size > 1 and len(prompts) > 1:
@@ -204,6 +218,19 @@ class GenerationWorker:
         if self.engine.device.type != "cuda":
             return None
         return torch.cuda.max_memory_allocated(self.engine.device)
+
+
+@contextlib.contextmanager
+def _group_guard():
+    """A tensor-parallel call that failed leaves the ranks out of step: end this process, so that Ray restarts
+    the worker with a fresh group and retries its shard (workers/group.py)."""
+    from specdec.tp import GroupBroken
+
+    try:
+        yield
+    except GroupBroken as exc:
+        print(f"specbatch: {exc}; restarting the worker's whole group", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _free_memory() -> None:

@@ -20,7 +20,8 @@ from workers.inputs import InputError
 from workers.outputs import COUNTS
 from workers.storage import StorageError, open_storage
 
-from .driver import MANIFEST, SUCCESS, JobError, error_counts, run_job
+from .driver import run_job
+from .manifest import MANIFEST, SUCCESS, JobError, error_counts
 from .spec import DATE_ENV, ConfigError, config_reference, load_spec, resolve_output_path
 
 DATE_HELP = (f"the date {{date}} in output.path stands for (YYYY-MM-DD; default: ${DATE_ENV}, else today in UTC), "

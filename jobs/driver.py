@@ -20,24 +20,18 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from datetime import datetime, timezone
 
+from workers.inputs import scan
+from workers.outputs import OPENAI_DIR, commit_jsonl, jsonl_name
+from workers.storage import is_s3, open_storage
 
-from workers.inputs import Shard, scan
-from workers.outputs import COUNTS, OPENAI_DIR, commit_jsonl, jsonl_name, part_entry
-from workers.storage import input_files, is_s3, open_storage
-
-from .spec import ConfigError, JobSpec, changed_keys
+from .manifest import MANIFEST, PART_KEYS, SUCCESS, JobError, error_counts, prepare_output
+from .spec import ConfigError, JobSpec
 
 log = logging.getLogger("specbatch")
 
-MANIFEST, SUCCESS = "_manifest.json", "_SUCCESS"
 # the manifest is rewritten at most this often (a resume re-reads the parts committed since, from the parts)
 MANIFEST_EVERY_S = 10.0
-
-
-class JobError(RuntimeError):
-    """The job cannot go on (conflicting output, a shard out of retries, workers that cannot start)."""
 
 
 def _absolute(spec: JobSpec) -> JobSpec:
@@ -84,88 +78,6 @@ def check_models(spec: JobSpec, cluster: bool = False) -> None:
             raise ConfigError(str(exc)) from None
 
 
-def _clear(storage) -> None:
-    for name in storage.list():
-        if name in (MANIFEST, SUCCESS) or name.startswith(OPENAI_DIR) or (name.startswith("part-") and name.endswith(".parquet")):
-            storage.delete(name)
-
-
-def _version(key: str, value) -> str:
-    if key == "mtime_ns" and isinstance(value, int):
-        return datetime.fromtimestamp(value / 1e9, timezone.utc).isoformat(timespec="microseconds")
-    return str(value)
-
-
-def input_changes(old: list, new: list[dict]) -> list[str]:
-    """How the input files differ from those an output was made of (the manifest's `input.files`: path, size,
-    and ETag or mtime_ns): one line per file added, removed or changed. A manifest from before input files were
-    fingerprinted (a list of paths) differs in nothing."""
-    if not old or not all(isinstance(f, dict) and "path" in f for f in old):
-        return []
-    before, after = {f["path"]: f for f in old}, {f["path"]: f for f in new}
-    out = []
-    for path in sorted(before.keys() | after.keys()):
-        a, b = before.get(path), after.get(path)
-        if a is None:
-            out.append(f"input file {path} was added")
-        elif b is None:
-            out.append(f"input file {path} was removed")
-        else:
-            diffs = [f"{label} {_version(key, a.get(key))} -> {_version(key, b.get(key))}"
-                     for key, label in (("size", "size"), ("etag", "ETag"), ("mtime_ns", "modified"))
-                     if a.get(key) != b.get(key)]
-            if diffs:
-                out.append(f"input file {path} changed ({', '.join(diffs)})")
-    return out
-
-
-def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, overwrite: bool) -> dict:
-    """The manifest for this run: refuses an output holding a different job, or made of other input files (size,
-    ETag or mtime changed, a file added or removed), unless overwrite. The input files are the scan's
-    (`shards.files`, listed before the scan read them)."""
-    files = getattr(shards, "files", None)
-    if files is None:  # shards that did not come from scan(): list the input now
-        files = input_files(spec.input.path)
-    raw = storage.read_bytes(MANIFEST)
-    if raw is not None:
-        old = json.loads(raw)
-        if overwrite:
-            _clear(storage)
-        elif old.get("fingerprint") != spec.fingerprint():
-            changed = changed_keys(old.get("spec", {}), spec.model_dump(mode="json"))
-            raise JobError(
-                f"{storage.uri('')} holds the outputs of a different job config (changed: {', '.join(changed) or '?'}); "
-                "re-run with --overwrite to discard them, or choose another output.path")
-        else:
-            changes = input_changes(old.get("input", {}).get("files", []), files)
-            if changes:
-                also = f"; also: {'; '.join(changes[1:3])}" if len(changes) > 1 else ""
-                also += f" and {len(changes) - 3} more" if len(changes) > 3 else ""
-                raise JobError(
-                    f"{changes[0]} since the output at {storage.uri('')} was written{also}; its parts are of the "
-                    "old input: re-run with --overwrite to discard the output, or choose another output.path")
-    elif overwrite:
-        _clear(storage)
-    parts, wall_s = {}, 0.0
-    committed = {n for n in storage.list("part-") if n.endswith(".parquet")}
-    if raw is not None and not overwrite:
-        wall_s = json.loads(raw).get("wall_s", 0.0)  # earlier runs' wall time (a killed run's is lost)
-    if raw is not None and not overwrite:
-        parts = {k: v for k, v in json.loads(raw).get("parts", {}).items() if k in committed}
-    for name in sorted(committed - set(parts)):  # committed after the last manifest update
-        parts[name] = part_entry(storage.read_bytes(name))
-    return {
-        "name": spec.name,
-        "fingerprint": spec.fingerprint(),
-        "spec": spec.model_dump(mode="json"),
-        "input": {"rows": total, "files": files},  # [{path, size, etag | mtime_ns}]: a rerun checks them
-        "num_shards": len(shards),
-        "wall_s": wall_s,
-        "parts": parts,
-    }
-
-
-PART_KEYS = ("rows", "sha256", "errors", *COUNTS, "control", "device", "worker", "wall_s")  # a part's manifest entry
 
 
 def is_control(index: int, fraction: float) -> bool:
@@ -428,14 +340,6 @@ def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     tail = [t for t in text if t.strip()][-1:] or [type(exc).__name__]
     return tail[0][:300]
-
-
-def error_counts(manifest: dict) -> dict[str, int]:
-    """Error rows by reason over every committed part."""
-    total: Counter[str] = Counter()
-    for part in manifest["parts"].values():
-        total.update(part.get("errors", {}))
-    return dict(sorted(total.items()))
 
 
 def _summary(manifest: dict, prog: _Progress, resumed: int, ran: int) -> dict:

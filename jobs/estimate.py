@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from specdec.costmodel import Profile, bucket, expected_tokens
 from workers.storage import open_storage
 
-from .driver import MANIFEST
+from .manifest import MANIFEST
 
 
 def profile_job(spec, out_path: str) -> Profile:

@@ -23,7 +23,7 @@ import yaml
 
 from workers.storage import open_storage
 
-from .driver import MANIFEST
+from .manifest import MANIFEST
 
 
 class ReportError(ValueError):

@@ -173,6 +173,12 @@ def cmd_reference(args) -> int:
     return 0
 
 
+def _price_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-hour-price", type=float, help="USD per GPU-hour")
+    parser.add_argument("--cpu-hour-price", type=float, help="USD per CPU worker-hour")
+    parser.add_argument("--prices", help="a price table (configs/prices.yaml)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specbatch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", required=True, help="folder for the report")
     rep.add_argument("--baseline", help="the output of an autoregressive run of the same prompts (default: the "
                                         "job's control shards, if it has any)")
-    rep.add_argument("--gpu-hour-price", type=float, help="USD per GPU-hour")
-    rep.add_argument("--cpu-hour-price", type=float, help="USD per CPU worker-hour")
-    rep.add_argument("--prices", help="a price table (configs/prices.yaml)")
+    _price_options(rep)
     rep.add_argument("--date", help=DATE_HELP)
     rep.set_defaults(fn=cmd_report)
     pro = sub.add_parser("profile", help=cmd_profile.__doc__, description=cmd_profile.__doc__)
@@ -236,9 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--batch-size", type=int, help="default: the job's")
     est.add_argument("--draft-length", default="recorded",
                      help="recorded (the job's own rounds), none, fixed:K or goodput")
-    est.add_argument("--gpu-hour-price", type=float)
-    est.add_argument("--cpu-hour-price", type=float)
-    est.add_argument("--prices")
+    _price_options(est)
     est.add_argument("--json", action="store_true")
     est.add_argument("--date", help=DATE_HELP)
     est.set_defaults(fn=cmd_estimate)

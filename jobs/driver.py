@@ -162,7 +162,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     check_models(spec, cluster=bool(address or os.environ.get("RAY_ADDRESS")))
     storage = open_storage(spec.output.path)
     shards, total = scan(spec.input.path, spec.input.key_column, spec.resources.shard_size)
-    manifest = prepare_output(spec, storage, shards, total, overwrite)
+    manifest = prepare_output(spec, storage, shards, total, shards.files, overwrite)
     storage.put(MANIFEST, json.dumps(manifest, indent=2).encode())
     todo = deque(s for s in shards if s.part not in manifest["parts"])
     done_rows = sum(p["rows"] for p in manifest["parts"].values())
@@ -197,6 +197,7 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     options = dict(num_cpus=res.cpus_per_worker, num_gpus=gpus, max_restarts=-1, max_task_retries=res.max_retries,
                    max_concurrency=2, runtime_env={"env_vars": env})
     groups = [_placement(spec, gpus) for _ in range(min(res.num_workers, len(todo)))]  # tensor parallel only
+    _wait_for_groups(groups, spec)
     workers = [actor_cls.options(**options, **({"scheduling_strategy": g} if g else {})).remote(
         spec.worker_spec(gpus).model_dump(mode="json")) for g in groups]
     inflight: dict = {}  # result ref -> (worker, shard)
@@ -271,7 +272,6 @@ def _placement(spec: JobSpec, gpus: float):
     """For a tensor-parallel target: a placement group of one bundle per rank ({CPU: cpus_per_worker, GPU:
     gpus_per_worker}), packed on one node, and the strategy that puts the worker (rank 0) in bundle 0.
     None for a target in one process."""
-    import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -280,11 +280,23 @@ def _placement(spec: JobSpec, gpus: float):
         return None
     bundle = {"CPU": spec.resources.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
     group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name="")
-    ready, _ = ray.wait([group.ready()], timeout=30)
-    if not ready:
-        print(f"specbatch: waiting for a node with room for {ranks} x {bundle} (models.target.tensor_parallel "
-              f"{ranks}; cluster: {ray.cluster_resources()})...", file=sys.stderr, flush=True)
     return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+
+
+def _wait_for_groups(groups: list, spec: JobSpec) -> None:
+    """Say so when the placement groups are not all placed within 30 s (the cluster has no node with room for a
+    whole group yet: an autoscaler may be adding one); the workers start when they are."""
+    import ray
+
+    placed = [g.placement_group for g in groups if g is not None]
+    if not placed:
+        return
+    ready, _ = ray.wait([g.ready() for g in placed], num_returns=len(placed), timeout=30)
+    if len(ready) < len(placed):
+        ranks, bundle = spec.models.target.tensor_parallel, placed[0].bundle_specs[0]
+        print(f"specbatch: {len(placed) - len(ready)} of {len(placed)} workers wait for a node with room for "
+              f"{ranks} x {bundle} (models.target.tensor_parallel {ranks}; cluster: {ray.cluster_resources()})...",
+              file=sys.stderr, flush=True)
 
 
 def describe_group(layout: list[dict]) -> str:

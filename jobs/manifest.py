@@ -15,7 +15,6 @@ from datetime import datetime, timezone
 
 from workers.inputs import Shard
 from workers.outputs import COUNTS, OPENAI_DIR, part_entry
-from workers.storage import input_files
 
 from .spec import JobSpec, changed_keys
 
@@ -61,13 +60,11 @@ def input_changes(old: list, new: list[dict]) -> list[str]:
     return out
 
 
-def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, overwrite: bool) -> dict:
+def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, files: list[dict],
+                   overwrite: bool) -> dict:
     """The manifest for this run: refuses an output holding a different job, or made of other input files (size,
-    ETag or mtime changed, a file added or removed), unless overwrite. The input files are the scan's
-    (`shards.files`, listed before the scan read them)."""
-    files = getattr(shards, "files", None)
-    if files is None:  # shards that did not come from scan(): list the input now
-        files = input_files(spec.input.path)
+    ETag or mtime changed, a file added or removed), unless overwrite. `files`: the scan's input files
+    (`Shards.files`, listed before the scan read them)."""
     raw = storage.read_bytes(MANIFEST)
     if raw is not None:
         old = json.loads(raw)

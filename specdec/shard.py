@@ -101,8 +101,9 @@ def _skeleton(src: ModelSource, path: str):
         return cfg, AutoModelForCausalLM.from_config(cfg, trust_remote_code=src.trust_remote_code)
 
 
-def check_shardable(src: ModelSource, world: int) -> None:
-    """Refuse, before any rank starts, a target that cannot be split `world` ways."""
+def check_shardable(src: ModelSource, world: int):
+    """Refuse, before any rank starts, a target that cannot be split `world` ways. Returns its local path,
+    config and meta-device model (`_skeleton`)."""
     key = "models.target.tensor_parallel"
     if src.gguf_file:
         raise ValueError(f"{key} {world}: a GGUF target (gguf_file) cannot be read a slice at a time; "
@@ -117,15 +118,14 @@ def check_shardable(src: ModelSource, world: int) -> None:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads % world or kv % world:
         raise ValueError(f"{key} {world} must divide the target's {heads} attention heads and {kv} KV heads")
+    return path, cfg, skeleton
 
 
 def load_shard(src: ModelSource, rank: int, world: int, device: str | torch.device = "cpu",
                reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ShardedModel:
     """Rank `rank`'s slice of the target at `src` (a local safetensors folder), on `device`. `reduce` sums a
     tensor over the ranks (the group's all-reduce); None leaves the partial sums as they are."""
-    check_shardable(src, world)
-    path = _local(src)
-    cfg, skeleton = _skeleton(src, path)
+    path, cfg, skeleton = check_shardable(src, world)
     dtype = resolve_dtype(src.dtype, device)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

@@ -247,7 +247,9 @@ class Shards(list):
     mtime_ns (`storage.input_files`, listed before reading), which the output manifest keeps to tell a changed
     input from the one its parts were made of."""
 
-    files: list[dict] = []
+    def __init__(self, files: list[dict]):
+        super().__init__()
+        self.files = files
 
 
 def scan(path: str, id_column: str, shard_size: int) -> tuple[Shards, int]:
@@ -257,8 +259,7 @@ def scan(path: str, id_column: str, shard_size: int) -> tuple[Shards, int]:
     files = [f["path"] for f in listed]
     if not files:
         raise InputError(f"no .jsonl or .parquet input under {path}")
-    shards = Shards()
-    shards.files = listed
+    shards = Shards(listed)
     hashes: list[np.ndarray] = []
     total = 0
     for f in files:

@@ -20,7 +20,7 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 
-from specdec.costmodel import Profile, bucket, expected_tokens
+from specdec.costmodel import Profile, best_length, bucket, expected_tokens
 from workers.storage import open_storage
 
 from .manifest import MANIFEST
@@ -103,15 +103,10 @@ def replay(rows: list[dict], prof: Profile, batch_size: int, policy: str = "reco
             emit = {i: (rows[i]["accept_lengths"][step[i]] + 1 if step[i] < len(rows[i]["accept_lengths"]) else 1)
                     for i in active}
         else:
-            a = np.array([rates[i] for i in active])
-            if fixed is not None:
-                k = fixed
-            else:  # goodput: the K with the most expected tokens per second at this batch
-                best = [(float(expected_tokens(a, j).sum()) / t, j) for j in range(max_draft + 1)
-                        if (t := prof.round(b, j)) is not None]
-                k = max(best)[1]
-            tokens = expected_tokens(a, k)
-            emit = {i: float(t) for i, t in zip(active, tokens)}
+            tokens = expected_tokens(np.array([rates[i] for i in active]), max(max_draft, fixed or 0))  # [n, K + 1]
+            # goodput: the K with the most expected tokens per second at this batch
+            k = fixed if fixed is not None else best_length(tokens.sum(0), prof.rounds(b, max_draft))
+            emit = {i: float(t) for i, t in zip(active, tokens[:, k])}
         t = prof.round(b, k)
         if t is None:
             raise ValueError(f"the profile has no cost for {n} rows and {k} drafts")

@@ -3,30 +3,41 @@
 Rows [0, n) are active: their tokens live in one device buffer (`seq`), their lengths on the host
 (`lens`: the host knows them, so no forward reads them back), their per-row records in `rows`. A
 finished row leaves by swap-remove (`move_row`): the last active row moves into its slot, with its
-cache rows, proposer state and policy state (`Slots`).
+cache rows, its proposer state and everything registered in `slots`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .config import SampleResult, SamplingParams
 from .sampling import RowSettings
-from .policy import Slots, make_policy
-from .runner import ModelRunner
+from .slots import Slots
+
+if TYPE_CHECKING:
+    from .proposers.base import Proposer
+    from .runner import ModelRunner
+    from .tp import TPRunner
 
 
 @dataclass
-class _Row:
+class Row:
     index: int  # position in the caller's prompt list
     result: SampleResult
     tokens: list[int]  # prompt + emitted so far (host copy, for prompt lookup and stop checks)
     generator: torch.Generator | None
     t0: float
     sp: SamplingParams  # this row's settings (the engine's, or the row's own)
+
+    @property
+    def done(self) -> bool:
+        """Failed, stopped, or at max_new_tokens: the row leaves the batch."""
+        r = self.result
+        return r.finish_reason in ("stop", "error") or r.generated_tokens >= self.sp.max_new_tokens
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -43,41 +54,38 @@ def sync(device: torch.device) -> None:
 
 
 class Batch:
-    """The state of the active rows [0, n): token buffer, lengths (on the host), per-row records."""
+    """The active rows [0, n): token buffer, lengths (on the host), per-row records and settings."""
 
-    def __init__(self, engine, capacity: int, max_len: int, policy: str | None = None):
-        self.engine = engine
-        self.device = engine.device
-        self.target = engine.runner("target", capacity, max_len)
+    proposer: Proposer  # set by the engine once the batch exists (a proposer keeps per-row state of it)
+
+    def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int,
+                 sampling: SamplingParams):
+        self.target = target
+        self.device = target.device
+        self.vocab_size = vocab_size  # the target's: logits past it are dropped, draft distributions padded to it
         self.capacity = capacity
         self.max_len = max_len
-        self.vocab_size = engine.vocab_size
-        self.sampling = engine.sampling
-        self.spec = engine.spec
         self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
         self.slots = Slots(capacity, self.device)
         self.lens = self.slots.add_host("seq_len")  # tokens per row (prompt + emitted), known on the host
-        self.sp = RowSettings(self.slots, engine.sampling)  # each row's sampling settings (`sp.view(n)`)
-        self.rows: list[_Row | None] = [None] * capacity
+        self.sp = RowSettings(self.slots, sampling)  # each row's sampling settings (`sp.view(n)`)
+        self.rows: list[Row | None] = [None] * capacity
         self.n = 0
-        self.u_draft = torch.empty((capacity, 0), device=self.device)
-        if engine.spec.method == "none":
-            policy = "fixed"  # never drafts: no policy to consult (limits are 0)
-        spec = self.spec if policy is None else self.spec.model_copy(update={"draft_length": policy})
-        self.policy = make_policy(spec, self.slots, engine.policy_memory)
-        self.proposer = engine._make_proposer(self)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
 
-    def write_rows(self, start: int, prompts: list[list[int]]) -> None:
-        """Rows [start, start + len(prompts)) hold these prompts (one copy to the device)."""
-        end, t = start + len(prompts), max(len(p) for p in prompts)
-        tokens = np.zeros((len(prompts), t), dtype=np.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = p
+    def write_rows(self, start: int, rows: list[Row]) -> None:
+        """Rows [start, start + len(rows)) are new and hold these rows' tokens (one copy to the device)."""
+        end, t = start + len(rows), max(len(r.tokens) for r in rows)
+        self.slots.admit(start, end)
+        tokens = np.zeros((len(rows), t), dtype=np.int64)
+        for i, (slot, row) in enumerate(zip(range(start, end), rows)):
+            tokens[i, : len(row.tokens)] = row.tokens
+            self.rows[slot] = row
+            self.sp.set(slot, row.sp)
         self.seq[start:end, :t] = self.to_device(tokens)
-        self.lens[start:end] = [len(p) for p in prompts]
+        self.lens[start:end] = [len(r.tokens) for r in rows]
 
     def prefill(self, runner: ModelRunner, start: int, end: int) -> np.ndarray:
         """Cache all but the pending token of rows [start, end); returns their cached lengths."""
@@ -105,5 +113,3 @@ class Batch:
         self.seq[dst, :length] = self.seq[src, :length]
         self.slots.move(src, dst)
         self.rows[dst] = self.rows[src]
-
-

@@ -15,8 +15,10 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from . import policies
+
 Method = Literal["none", "draft_model", "prompt_lookup"]
-DraftLength = Literal["fixed", "heuristic", "confidence", "acceptance_head", "goodput"]
+DraftLength = Literal[policies.NAMES]
 Verification = Literal["lossless", "fuzzy", "conditional"]
 FinishReason = Literal["stop", "length", "error"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -110,9 +112,7 @@ _MOVED = {"prompt_lookup_max_ngram": "speculation.prompt_lookup.max_ngram",
 
 class SpecConfig(Config):
     method: Method = Field("draft_model", description="`none` (plain decoding), `draft_model`, `prompt_lookup`")
-    draft_length: DraftLength = Field("goodput", description="`goodput` (one K per round for the whole batch, "
-                                      "chosen from measured costs: the default), `fixed`, `heuristic`, "
-                                      "`confidence`, `acceptance_head`")
+    draft_length: DraftLength = Field(policies.NAMES[0], description=policies.describe())
     num_draft_tokens: int = Field(2, ge=0, description="K of `fixed`, and where `heuristic` starts")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy")
     verification: Verification = Field("lossless", description="`lossless` (the target's own distribution), or "
@@ -185,7 +185,7 @@ def row_seed(seed: int, key: object) -> int:
 
 @dataclass
 class SampleResult:
-    """One row's generation and its statistics (the output columns of ARCHITECTURE.md)."""
+    """One row's generation and its statistics (the output columns of the README's "Outputs")."""
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
         "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds", "draft_forwards",

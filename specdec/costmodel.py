@@ -8,8 +8,10 @@ per width, and what an admission costs beyond its rows' own prefill. It saves to
 target forward over K + 1 tokens or a few more (verify padding). Live rounds correct the prediction
 per bucket: the length that keeps running tracks the bucket's level (machine load and growing
 contexts move every cost together); a length run after another is measured against that level, which
-corrects its own cost (medians of the last few samples: speculative rounds vary more than plain
-ones). `tokens_per_second` is what goodput maximises and what a cost estimate reports.
+corrects its own cost (medians of the last few samples: speculative rounds vary more than plain ones).
+
+`expected_tokens` and `best_length` are the one rule for choosing K from rates and costs: goodput,
+the profiler and `specbatch estimate` all use them.
 """
 
 from __future__ import annotations
@@ -21,16 +23,24 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 
-def bucket(n: int) -> int:
-    """Rows rounded up to a power of two: costs are measured and kept per bucket."""
-    return 1 << max(0, n - 1).bit_length()
+def pow2_at_least(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
 
 
-def expected_tokens(rates: np.ndarray, k: int) -> np.ndarray:
-    """Per row, the tokens a round of k drafts emits at per-token acceptance rate a: the accepted prefix
-    plus the recovered or bonus token, (1 - a^(k+1)) / (1 - a)."""
-    a = np.clip(rates, 0.0, 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
+bucket = pow2_at_least  # rows -> the bucket whose costs they are charged
+
+
+def expected_tokens(rates: np.ndarray, top: int) -> np.ndarray:
+    """[rows, top + 1]: the tokens a round of k = 0..top drafts emits for a row whose drafted tokens pass
+    at per-token rate a: the accepted prefix plus the recovered or bonus token, (1 - a^(k+1)) / (1 - a)."""
+    a = np.clip(np.asarray(rates, dtype=np.float64), 0.0, 0.999)[:, None]
+    return (1 - a ** (np.arange(top + 1)[None, :] + 1)) / (1 - a)
+
+
+def best_length(tokens: np.ndarray, seconds: np.ndarray) -> int:
+    """The K whose expected tokens [K + 1] per predicted second [K + 1] (nan: unknown) is highest; 0 if none."""
+    per_second = np.where(np.isnan(seconds), -np.inf, tokens / np.where(np.isnan(seconds), 1.0, seconds))
+    return int(np.argmax(per_second)) if np.isfinite(per_second).any() else 0
 
 
 @dataclass
@@ -67,6 +77,10 @@ class Profile:
         d, v = self.drafting(b, k), self.verifying(b, k + 1, pad)
         return None if d is None or v is None else d + v
 
+    def rounds(self, b: int, top: int, pad: int = 0) -> np.ndarray:
+        """[top + 1] seconds of a round of k = 0..top drafts at bucket b (nan where the profile cannot say)."""
+        return np.array([np.nan if (t := self.round(b, k, pad)) is None else t for k in range(top + 1)])
+
     @staticmethod
     def _near(table: dict[int, object], b: int) -> int | None:
         return min(table, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if table else None
@@ -99,17 +113,12 @@ class CostModel:
         self.rounds = 0
         self._base: dict[tuple[int, int], np.ndarray] = {}  # (bucket, top) -> the profile's round times
 
-    def seconds(self, n: int, k: int) -> float | None:
-        """Predicted seconds of a round of k drafts at n rows (as if its bucket were full)."""
-        t = self.seconds_upto(n, k)[k]
-        return None if np.isnan(t) else float(t)
-
-    def seconds_upto(self, n: int, top: int) -> np.ndarray:
-        """Predicted seconds of a round of k = 0..top drafts at n rows (nan where the profile cannot say)."""
+    def seconds(self, n: int, top: int) -> np.ndarray:
+        """[top + 1] predicted seconds of a round of k = 0..top drafts at n rows (as if its bucket were full;
+        nan where the profile cannot say)."""
         b = bucket(n)
         if (b, top) not in self._base:
-            rounds = [self.profile.round(b, k, self.pad) for k in range(top + 1)]
-            self._base[(b, top)] = np.array([np.nan if t is None else t for t in rounds])
+            self._base[(b, top)] = self.profile.rounds(b, top, self.pad)
         t = self._base[(b, top)] * (statistics.median(self.level[b]) if b in self.level else 1.0)
         for (bb, k), fix in self.correction.items():
             if bb == b and k <= top:
@@ -132,11 +141,6 @@ class CostModel:
                       self.samples)
         self.last[b] = k
         self.stamp[(b, k)] = self.rounds
-
-    def tokens_per_second(self, rates: np.ndarray, k: int, extra_seconds: float = 0.0) -> float | None:
-        """Expected emitted tokens per second of a batch whose rows accept at `rates`, at k drafts a round."""
-        t = self.seconds(len(rates), k)
-        return None if t is None else float(expected_tokens(rates, k).sum()) / (t + extra_seconds)
 
 
 def keep_last(samples: list, x, last: int) -> None:

@@ -5,23 +5,17 @@ of token-id prompts: up to `batch_size` rows are active at once; a finished row 
 the last active row moves into its slot) and a waiting prompt is prefilled into the free slot, so
 finished rows stop costing compute and the batch stays full.
 
-Per row and round (S = the row's sequence length; its last token is "pending": emitted but not yet in
-the target's cache):
-  limits = policy.limits()                     how many tokens each row may draft
-  draft  = proposer.propose(limits)            x_1..x_k per row, and q (None for point masses)
-  target forward on [pending, x_1..x_k]        one call scores all k+1 positions, per-row positions
-  verdict = verify(...)                        accepted a, and the recovered / bonus token y
-  emit x_1..x_a, y; cut at a stop token or max_new_tokens; target cache length becomes S + a
-The prompt's last token is the first pending token, so every emitted token comes from a round and
-`generated_tokens <= accepted_tokens + rounds` holds exactly; `method: none` is the same loop with
-k = 0 (one token per target call).
+Built once per engine: the verification rule (specdec/verify.py), the draft-length policy
+(specdec/policies/, which keeps what it learns across calls) and the models' runners. Each round
+(specdec/rounds.py) drafts, verifies in one target forward and accepts; the prompt's last token is
+the first pending token, so every emitted token comes from a round and `generated_tokens <=
+accepted_tokens + rounds` holds exactly; `method: none` is the same loop with k = 0.
 
 The host keeps what it already knows (row lengths, draft lengths, the policy's K) and a round reads
-the device back once, at its end (`Rounds.verify`, specdec/rounds.py): no forward, draft step or policy waits on the GPU
-mid-round, except the draft steps of policies that stop rows on the draft's own outputs
-(`LengthPolicy.stops_early`). The models' KV caches belong to the engine and outlive `generate()`
-calls, so the CUDA graphs captured on them do too (specdec/runner.py); on a GPU their size comes from
-a memory plan (specdec/memory.py).
+the device back once, at its end: no forward, draft step or policy waits on the GPU mid-round, except
+the draft steps of a policy that stops rows on the draft's own outputs (`LengthPolicy.stopper`). The
+models' KV caches belong to the engine and outlive `generate()` calls, so the CUDA graphs captured on
+them do too (specdec/runner.py); on a GPU their size comes from a memory plan (specdec/memory.py).
 """
 
 from __future__ import annotations
@@ -36,17 +30,17 @@ from . import memory, profiler
 from .batch import Batch
 from .cache import RaggedKVCache
 from .config import SampleResult, SamplingParams, SpecConfig
-from .costmodel import CostModel, Profile
-from .goodput import GoodputMemory
+from .costmodel import CostModel, Profile, pow2_at_least
 from .models import ModelPair
-from .policy import policy_class
+from .policies import LengthPolicy, PolicyEnv, make_policy, policy_class
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import PromptLookupProposer
 from .rounds import Rounds
-from .runner import ModelRunner, pow2_at_least
+from .runner import ModelRunner
 from .stops import StopStrings
 from .tp import TPRunner
+from .verify import make_rule
 from .widths import VerifyWidths
 
 
@@ -74,7 +68,9 @@ class SpecEngine:
         self.stop_strings = StopStrings(pair.tokenizer)
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
-        self.policy_memory: dict = {}  # what length policies learn (timings, rates) outlives a batch
+        self.rule = make_rule(spec)
+        self.policy: LengthPolicy | None = None  # built on first need (goodput's after its costs are measured)
+        self.clock = time.perf_counter  # what rounds are timed by (a test may drive a fake one)
         self.fast_path = fast_path
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
@@ -82,23 +78,27 @@ class SpecEngine:
         self.plan_check()
         pad = spec.verify_padding and spec.method != "none"
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
-        self.needs_costs = policy_class(spec.draft_length).profiles and spec.method != "none"
+        self.needs_costs = policy_class(spec.draft_length).needs_costs and spec.method != "none"
         self.profile = profile  # measured costs (specdec/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it
 
     @torch.inference_mode()
-    def measure_costs(self) -> None:
-        """Give a policy that plans from costs (goodput) its cost model: the profile given to the engine, or one
-        measured now on synthetic rows (specdec/profiler.py; seconds, once per engine: a job's worker pays it
-        when it loads its models). generate() calls it when needed."""
-        if not self.needs_costs or "goodput" in self.policy_memory:
-            return
-        t0 = time.perf_counter()
-        if self.profile is None:
-            self.profile = profiler.measure(self)
-            self.profile_s = time.perf_counter() - t0
-        pad = VerifyWidths.max_pad if self.widths else 0
-        self.policy_memory["goodput"] = GoodputMemory(CostModel(self.profile, pad), self.sampling.max_new_tokens)
+    def measure_costs(self) -> LengthPolicy:
+        """The engine's length policy, built once. One that plans from costs (goodput) gets its cost model: from
+        the profile given to the engine, or one measured now on synthetic rows (specdec/profiler.py; seconds,
+        once per engine: a job's worker pays it when it loads its models). generate() calls it."""
+        if self.policy is not None:
+            return self.policy
+        spec = self.spec if self.spec.method != "none" else self.spec.model_copy(update={"draft_length": "fixed"})
+        env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens)
+        if self.needs_costs:
+            t0 = time.perf_counter()
+            if self.profile is None:
+                self.profile = profiler.measure(self)
+                self.profile_s = time.perf_counter() - t0
+            env.costs = CostModel(self.profile, VerifyWidths.max_pad if self.widths else 0)
+        self.policy = make_policy(spec, env)
+        return self.policy
 
     def _models(self) -> dict[str, torch.nn.Module]:
         models = {"target": self.target}
@@ -176,12 +176,18 @@ class SpecEngine:
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
 
-    def _make_proposer(self, batch: Batch) -> Proposer:
+    def new_batch(self, rows: int, max_len: int, policy: LengthPolicy) -> Batch:
+        """An empty batch of `rows` slots of `max_len` tokens, with its proposer, and `policy`'s per-row state."""
+        batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size, self.sampling)
         if self.spec.method == "draft_model":
-            return DraftModelProposer(batch, self.runner("draft", batch.capacity, batch.max_len))
-        if self.spec.method == "prompt_lookup":
-            return PromptLookupProposer(batch)
-        return Proposer(batch)  # method none: never drafts (limits are 0)
+            raw = self.rule.name == "fuzzy"  # FSD compares the models' raw distributions
+            batch.proposer = DraftModelProposer(batch, self.runner("draft", rows, max_len), policy, raw)
+        elif self.spec.method == "prompt_lookup":
+            batch.proposer = PromptLookupProposer(batch, self.spec.prompt_lookup)
+        else:
+            batch.proposer = Proposer(batch)  # method none: never drafts
+        policy.attach(batch.slots)
+        return batch
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
         """The longest prompt a row of `max_new` new tokens can take: the models' positions, and the GPU
@@ -236,10 +242,10 @@ class SpecEngine:
             else:
                 todo.append(i)
         if todo:
-            self.measure_costs()
+            policy = self.measure_costs()
             # longest first: similar lengths run together and the long tail does not trail at the end
             todo.sort(key=lambda i: -len(runnable[i]))
             max_len = max(self.row_tokens(len(runnable[i]), params[i].max_new_tokens) for i in todo)
-            batch = Batch(self, min(self._batch_rows(max_len, plan), len(todo)), max_len)
-            Rounds(self, batch, runnable, keys, results, on_round, params).run(deque(todo))
+            batch = self.new_batch(min(self._batch_rows(max_len, plan), len(todo)), max_len, policy)
+            Rounds(self, batch, policy, runnable, keys, params, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]

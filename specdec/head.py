@@ -27,12 +27,15 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import sampling
-from .config import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import SamplingParams
 
 
 @dataclass

@@ -17,15 +17,21 @@ import time
 import numpy as np
 import torch
 
-from .batch import Batch, sync
-from .costmodel import Profile, bucket, expected_tokens
+from typing import TYPE_CHECKING
+
+from .batch import sync
+from .costmodel import Profile, best_length, bucket, expected_tokens
+from .policies.simple import FixedLength
 from .proposers.base import Draft
 from .rounds import Rounds
+
+if TYPE_CHECKING:
+    from .engine import SpecEngine
 
 OPTIMISTIC = 0.8  # per-token acceptance the profile allows a pair it has not seen yet
 
 
-def measure(engine, context: int = 64, samples: int = 2, every_width: bool = False) -> Profile:
+def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width: bool = False) -> Profile:
     """The engine's cost profile; `every_width` times every verification width up to max_draft_tokens + 1
     (for estimates of other policies), not only those that could win."""
 
@@ -33,8 +39,9 @@ def measure(engine, context: int = 64, samples: int = 2, every_width: bool = Fal
     g = torch.Generator().manual_seed(0)
     pattern = torch.randint(0, engine.vocab_size, (cap, 16), generator=g)
     prompts = pattern.repeat(1, context // 16 + 1)[:, :context].tolist()
-    batch = Batch(engine, cap, context + m + 2, policy="fixed")  # drafts on demand, prefills the draft
-    loop = Rounds(engine, batch, prompts, list(range(cap)), [None] * cap)
+    policy = FixedLength(engine.spec)  # drafts on demand, prefills the draft
+    batch = engine.new_batch(cap, context + m + 2, policy)
+    loop = Rounds(engine, batch, policy, prompts, list(range(cap)), [engine.sampling] * cap, [None] * cap)
     loop.admit(list(range(cap)))
     drafting = engine.spec.method == "draft_model"
     hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
@@ -55,8 +62,9 @@ def measure(engine, context: int = 64, samples: int = 2, every_width: bool = Fal
         batch.proposer.rewind(n)
 
     def draft_seconds(n: int, k: int) -> float:
-        loop.uniforms(n)  # the draft's share of the round's uniforms, when sampling
-        t = best(lambda: batch.proposer.propose(n, np.full(n, k)))  # the draft cache's length stays as it was
+        u = loop.uniforms(n)  # the draft's share of the round's uniforms, when sampling
+        u = None if u is None else u[:, :m]
+        t = best(lambda: batch.proposer.propose(n, np.full(n, k), u))  # the draft cache's length stays as it was
         reset(n)
         return t
 
@@ -98,9 +106,6 @@ def measure(engine, context: int = 64, samples: int = 2, every_width: bool = Fal
 
 def worth_timing(profile: Profile, b: int, k: int) -> bool:
     """Could k drafts win at an optimistic acceptance, at no less than the longest timed width's cost?"""
-    rate = np.array([OPTIMISTIC])
-    timed = profile.target[b]
-    top = profile.round(b, k)  # the widest timed width stands in for the untimed one: a lower bound
-    rounds = {j: profile.round(b, j) for j in range(len(timed))}
-    bar = max(float(expected_tokens(rate, j)[0]) / t for j, t in rounds.items())
-    return float(expected_tokens(rate, k)[0]) / top > bar
+    tokens = expected_tokens(np.array([OPTIMISTIC]), k)[0]  # [k + 1]
+    seconds = profile.rounds(b, k)  # the widest timed width stands in for the untimed one: a lower bound
+    return best_length(tokens, seconds) == k

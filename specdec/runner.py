@@ -21,11 +21,8 @@ import torch.nn.functional as F
 
 from . import llama
 from .cache import RaggedKVCache, forward_hidden
+from .costmodel import pow2_at_least
 from .graphs import StepGraphs, compiled_layer
-
-
-def pow2_at_least(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 class ModelRunner:

@@ -9,11 +9,14 @@ may each have their own settings (`Rows`): processing is then per row, the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .config import SamplingParams
+if TYPE_CHECKING:
+    from .config import SamplingParams
+
 
 
 @dataclass

@@ -164,6 +164,7 @@ class TPRunner:
         self.rank, self.key = rank, key
         self.call("allocate", rows, max_len)
         self.own = rank.runners[key]
+        self.device = self.own.device
         self.cache = _Cache(self)
 
     def call(self, name: str, *args):

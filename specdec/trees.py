@@ -19,12 +19,15 @@ conditional verification). A node is accepted when it and all its ancestors pass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import sampling
-from .config import SamplingParams
 from .sampling import Rows
+
+if TYPE_CHECKING:
+    from .config import SamplingParams
 
 
 @dataclass

@@ -6,22 +6,35 @@ Terms (Leviathan et al. 2023; Chen et al. 2023), per row:
 - recovered token: at the first rejection, a sample from the residual max(p - q, 0) / sum(...);
 - bonus token: when all k pass, a sample from p_{k+1}.
 Each round emits accepted + 1 tokens. Greedy accepts while x_i == argmax p_i.
-A deterministic proposer (prompt lookup) passes `q_probs=None`: q is a point mass on x_i.
+A deterministic proposer (prompt lookup) gives no q: q is a point mass on x_i.
+
+A rule is an object the engine picks once (`make_rule`) and calls every round with the target's logits
+over [pending, draft] and the draft: `ChainRule` (the lossless rule for a draft model), `FuzzyRule`
+(FSD: close distributions pass outright), `TreeRule` (lossless, for token trees and prompt lookup's
+chains), `ConditionalRule` (AASD: likely prompt tokens pass). Each row is verified by its own sampling
+settings (`Rows`): greedy rows by argmax, the others by sampling.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import sampling
+from . import sampling, trees
+from .sampling import Rows
+
+if TYPE_CHECKING:
+    from .config import SpecConfig
+    from .proposers.base import Draft
 
 
 @dataclass
 class Verdict:
-    accepted: torch.Tensor  # [n] accepted drafted tokens per row (0..k)
+    accepted: torch.Tensor  # [n] accepted drafted tokens per row (0..k): the accepted path's depth for a tree
     next_token: torch.Tensor  # [n] recovered or bonus token
+    path: torch.Tensor | None = None  # [n, D] a tree's accepted nodes by depth (stale past `accepted`); None: chains
 
 
 def _leading(passed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -106,3 +119,80 @@ def fuzzy_pass(target_logits: torch.Tensor, raw_q: torch.Tensor, kind: str, thre
     k = raw_q.shape[1]
     p = torch.softmax(target_logits[:, :k].float(), dim=-1)
     return divergence(p, raw_q, kind) <= threshold
+
+
+class Rule:
+    name = "lossless"  # what a row's `verification` column says
+
+    def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, u: torch.Tensor | None) -> Verdict:
+        """logits [n, T+1, vocab]: the target at the pending token and at each drafted token; u [n, M+1] (None
+        when every row is greedy): column i < M tests position i, column M draws the recovered / bonus token."""
+        raise NotImplementedError
+
+
+class ChainRule(Rule):
+    """Lossless speculative sampling of chains drafted from q (greedy rows: argmax matching)."""
+
+    def passes(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor | None:
+        """[n, K]: tokens accepted whatever the lossless test says (None: none)."""
+        return None
+
+    def __call__(self, logits, draft, rows, u):
+        k = draft.tokens.shape[1]
+        also = self.passes(logits, draft) if k else None
+        greedy = verify_greedy(logits, draft.tokens, draft.lengths, also) if rows.any_greedy else None
+        if rows.greedy:
+            return greedy
+        p = sampling.probs(logits, rows)  # [n, K+1, vocab]
+        v = verify_lossless(p, draft.tokens, draft.lengths, draft.q, u[:, :k], u[:, -1], also)
+        if greedy is None:
+            return v
+        g = rows.greedy_rows  # a mixed batch: each row by its own rule
+        return Verdict(torch.where(g, greedy.accepted, v.accepted), torch.where(g, greedy.next_token, v.next_token))
+
+
+class FuzzyRule(ChainRule):
+    """FSD: a drafted token passes outright where Div(p, q) of the models' raw distributions is at most the
+    threshold; elsewhere the lossless rule decides."""
+
+    name = "fuzzy"
+
+    def __init__(self, divergence: str, threshold: float):
+        self.divergence, self.threshold = divergence, threshold
+
+    def passes(self, logits, draft):
+        return fuzzy_pass(logits, draft.raw_q, self.divergence, self.threshold)
+
+
+class TreeRule(Rule):
+    """Token trees (a chain is a tree): a node passes when it is the target's choice at its parent (argmax, or
+    a draw from p with the row's uniform for that depth); the deepest path of passing nodes is accepted."""
+
+    conditional: tuple[float, float] | None = None
+
+    def __call__(self, logits, draft, rows, u):
+        n, t = draft.tokens.shape
+        tree = draft.tree
+        parent, depth = (tree.parent, tree.depth) if tree is not None else trees.chain(n, t, logits.device)
+        d = draft.depth
+        v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, rows,
+                              None if u is None else u[:, : d + 1], draft.relaxed, self.conditional)
+        return Verdict(v.accepted, v.next_token, v.path if tree is not None else None)
+
+
+class ConditionalRule(TreeRule):
+    """AASD: a node taken from the prompt also passes where p(x) >= min(alpha H(p) + beta, max p)."""
+
+    name = "conditional"
+
+    def __init__(self, alpha: float, beta: float):
+        self.conditional = (alpha, beta)
+
+
+def make_rule(spec: SpecConfig) -> Rule:
+    """The rule of an engine: prompt lookup's drafts are trees (chains included), a draft model's chains."""
+    if spec.method == "prompt_lookup":
+        c = spec.conditional_rule
+        return ConditionalRule(*c) if c is not None else TreeRule()
+    f = spec.fuzzy_rule
+    return FuzzyRule(f.divergence, f.threshold) if f is not None else ChainRule()

@@ -19,6 +19,8 @@ round that explores a width is no sample of its draft length's cost (at batch 8,
 
 from __future__ import annotations
 
+from .costmodel import bucket
+
 
 class VerifyWidths:
     max_pad = 4
@@ -29,10 +31,6 @@ class VerifyWidths:
         self.max_width = max_width  # max_draft_tokens + 1: the cache has room for this many
         self.times: dict[tuple[int, int], list[float]] = {}
 
-    @staticmethod
-    def bucket(n: int) -> int:
-        return 1 << (n - 1).bit_length()  # active rows, rounded up to a power of two
-
     def choose(self, n: int, w0: int) -> int:
         w = self.untimed(n, w0)
         return self.best(n, w0) if w is None else w
@@ -42,12 +40,12 @@ class VerifyWidths:
         top = min(self.max_width, w0 + self.max_pad)
         if w0 == 1 or w0 >= top:
             return None
-        b = self.bucket(n)
+        b = bucket(n)
         return next((w for w in range(w0, top + 1) if len(self.times.get((b, w), ())) < self.samples), None)
 
     def best(self, n: int, w0: int) -> int:
         """The width a round needing w0 runs at, among the widths timed `samples` times (no exploration)."""
-        b = self.bucket(n)
+        b = bucket(n)
         timed = [w for w in range(w0, min(self.max_width, w0 + self.max_pad) + 1)
                  if len(self.times.get((b, w), ())) >= self.samples]
         if w0 == 1 or w0 not in timed:
@@ -56,7 +54,7 @@ class VerifyWidths:
         return best if min(self.times[(b, best)]) < self.margin * min(self.times[(b, w0)]) else w0
 
     def observe(self, n: int, w: int, seconds: float) -> None:
-        b = self.bucket(n)
+        b = bucket(n)
         kept = self.times.setdefault((b, w), [])
         kept.append(seconds * b / n)
         del kept[:-8]  # the recent ones: a machine's load drifts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.config import SamplingParams, SpecConfig
+from specdec.costmodel import Profile
 from specdec.engine import SpecEngine
 from specdec.models import ModelPair
 
@@ -42,11 +44,26 @@ def pair(target, draft=None, stop=()) -> ModelPair:
     return ModelPair(target, draft, None, tuple(stop), target.config.vocab_size)
 
 
-def run(target, draft, prompts, method="draft_model", bs=8, k=4, max_new=MAX_NEW, stop=(), **spec):
-    """generate() with a fixed draft length k unless `spec` names another policy."""
+def flat_profile(max_width: int = 65) -> Profile:
+    """Costs under which every draft length costs one plain round: drafting always pays."""
+    return Profile(draft_one={1: 0.0}, draft_two={1: 0.0}, target={1: {w: 1.0 for w in range(1, max_width + 1)}})
+
+
+def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), **spec) -> SpecEngine:
+    """An engine with the job's default policy unless `spec` names another. goodput (the default) gets
+    `flat_profile` and a clock that ticks once per round, so it drafts, the same way on any machine."""
     eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method=method, num_draft_tokens=k, **{"draft_length": "fixed", **spec}), batch_size=bs)
-    return eng.generate(prompts)
+                     SpecConfig(method=method, **spec), batch_size=bs, profile=flat_profile())
+    ticks = itertools.count()
+    eng.clock = lambda: float(next(ticks))
+    return eng
+
+
+def run(target, draft, prompts, method="draft_model", bs=8, k=None, max_new=MAX_NEW, stop=(), **spec):
+    """generate() under the default policy (goodput: `engine`), or a fixed draft length k when k is given."""
+    if k is not None:
+        spec = {"num_draft_tokens": k, "draft_length": "fixed", **spec}
+    return engine(target, draft, method, bs, max_new, stop, **spec).generate(prompts)
 
 
 def check_stats(r):

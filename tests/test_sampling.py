@@ -10,7 +10,7 @@ from engine_models import pair, tiny_llama
 from specdec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.policy import Slots
+from specdec.slots import Slots
 
 V, NEW, N = 8, 3, 4000
 PROMPT = [1, 5, 2, 7]

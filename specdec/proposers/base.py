@@ -1,49 +1,66 @@
-"""The proposer seam: what a drafter returns and the calls the engine makes on it."""
+"""The proposer seam: what a drafter returns, and the calls the engine makes on it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from ..batch import Batch
+
+
+@dataclass
+class Tree:
+    """The shape of a token-tree draft (specdec/trees.py); node 0 is the row's pending token."""
+
+    parent: torch.Tensor  # [n, T] each node's parent (0: the pending token)
+    depth: torch.Tensor  # [n, T] each node's depth (1: a child of the pending token)
+    max_depth: int  # host: the deepest node
+
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [n, K] drafted token ids; padding past a row's length is ignored
-    lengths: torch.Tensor  # [n] tokens proposed per row (0..K)
-    q_probs: torch.Tensor | None  # [n, K, vocab] distributions the tokens were sampled from; None = point mass
-    forwards: int = 0  # draft model forward passes run for this round (the whole batch takes part)
+    tokens: torch.Tensor  # [n, T] drafted token ids (chain positions, or tree nodes); padding past `lengths` is junk
+    lengths: torch.Tensor  # [n] tokens (nodes) proposed per row
+    q: torch.Tensor | None = None  # [n, T, vocab] distributions the tokens were drawn from; None = point mass
+    tree: Tree | None = None  # None: each row's tokens are a chain
+    forwards: int = 0  # draft-model forwards run for this round (the whole batch takes part)
     bad: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
-    relaxed: torch.Tensor | None = None  # [n, K] bool: tokens conditional verification may pass (from the prompt)
-    parent: torch.Tensor | None = None  # [n, K] a token tree: each node's parent (0: the pending token); None: chains
-    depth: torch.Tensor | None = None  # [n, K] each node's depth (1: a child of the pending token)
-    max_depth: int = 0  # host: the deepest node (a chain's K)
-    raw_q: torch.Tensor | None = None  # [n, K, vocab] softmax of the draft's raw logits (fuzzy verification)
+    # what relaxed rules read (specdec/verify.py): nodes conditional verification may pass (taken from the
+    # prompt), and the draft's raw distributions that fuzzy verification compares with the target's
+    relaxed: torch.Tensor | None = None  # [n, T] bool
+    raw_q: torch.Tensor | None = None  # [n, T, vocab]
+
+    @property
+    def depth(self) -> int:
+        """Host: how many tokens a row can accept this round (a chain's K, a tree's depth)."""
+        return self.tree.max_depth if self.tree is not None else self.tokens.shape[1]
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":
-        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device),
-                   torch.zeros(n, dtype=torch.int64, device=device), None, 0)
+        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
 
 
 class Proposer:
-    """Drafts tokens for the active rows [0, n) of a batch (see engine.Batch)."""
-
-    deterministic = True  # q is a point mass on each drafted token
-
-    def __init__(self, batch):
-        self.batch = batch
+    """Drafts tokens for the active rows [0, n) of a batch; the base class never drafts (method none)."""
 
     prefill_top = 0  # the target's top ids the proposer wants at every prompt position (0: none)
 
-    def admit(self, start: int, end: int, target_top: np.ndarray | None = None) -> None:
-        """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
-        prefill_top]: the target's top ids at each prompt position, from its prefill."""
+    def __init__(self, batch: Batch):
+        self.batch = batch
 
-    def propose(self, n: int, limits: np.ndarray) -> Draft:
-        """Draft up to limits[i] tokens for row i of [0, n) (a host array)."""
-        raise NotImplementedError
+    def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
+        """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
+        prefill_top]: the target's top ids at each prompt position, from its prefill; `drafting`: whether
+        the next round drafts (if not, a drafter may defer work for these rows)."""
+
+    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None) -> Draft:
+        """Draft up to limits[i] tokens for row i of [0, n) (a host array); `u` [n, max_draft_tokens]: the
+        uniforms of rows that sample (None when all are greedy)."""
+        return Draft.empty(n, self.batch.device)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`

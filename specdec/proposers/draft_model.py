@@ -6,17 +6,23 @@ speculation, the whole row if it joined while the policy was not drafting), then
 forward. Rows whose policy stopped them keep riding along in the batch forward (their extra tokens
 are not proposed), so the whole batch stays one tensor. What the draft cache holds of each row is
 host state (`d_len`), updated from the round's read-back: drafting never waits on the device, unless
-the policy stops rows on the draft's outputs (`stops_early`).
+the policy stops rows on the draft's outputs (its `stopper`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .. import sampling
-from ..runner import ModelRunner
 from .base import Draft, Proposer
+
+if TYPE_CHECKING:
+    from ..batch import Batch
+    from ..policies import LengthPolicy
+    from ..runner import ModelRunner
 
 
 def _full_vocab(q: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
@@ -27,96 +33,86 @@ def _full_vocab(q: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
 
 
 class DraftModelProposer(Proposer):
-    deterministic = False
-
-    def __init__(self, batch, runner: ModelRunner):
+    def __init__(self, batch: Batch, runner: ModelRunner, policy: LengthPolicy, raw_q: bool = False):
         super().__init__(batch)
         self.runner = runner
+        self.stopper = policy.stopper  # stops rows on the draft's outputs (None: every row drafts its limit)
+        self.raw_q = raw_q  # keep the draft's raw distributions (fuzzy verification compares them)
         self.d_len = batch.slots.add_host("draft_len")  # tokens of the row held in the draft cache
         self.fed_len = batch.slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
 
-    def admit(self, start: int, end: int, target_top=None) -> None:
-        b = self.batch
-        if b.policy.drafts_soon(end):
-            self.d_len[start:end] = b.prefill(self.runner, start, end)
+    def admit(self, start: int, end: int, target_top=None, drafting: bool = True) -> None:
+        if drafting:
+            self.d_len[start:end] = self.batch.prefill(self.runner, start, end)
         else:  # no speculation for now: the first drafting round's catch-up feeds the whole row
             self.d_len[start:end] = 0
 
-    def propose(self, n: int, limits: np.ndarray) -> Draft:
+    def catch_up(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row what its draft cache lacks, seq[d_len : seq_len] (ragged, right-padded); returns the
+        logits [n, vocab] and hidden states [n, d] at each row's last token."""
         b = self.batch
-        dev = b.device
-        k_max = int(limits.max()) if n else 0
-        if k_max == 0:
-            self.fed_len[:n] = self.d_len[:n]
-            return Draft.empty(n, dev)
         lens, d_len = b.lens[:n], self.d_len[:n]
-        # catch-up: feed seq[d_len : seq_len] (ragged, right-padded), score each row's last real token
-        behind = lens - d_len  # >= 1
+        behind = lens - d_len  # >= 1: at least the pending token
         t0 = int(behind.max())
         catch = b.to_device(np.stack([d_len, behind - 1]))  # one copy: [2, n]
-        idx = catch[0][:, None] + torch.arange(t0, device=dev)[None, :]  # [n, t0]
+        idx = catch[0][:, None] + torch.arange(t0, device=b.device)[None, :]  # [n, t0]
         tokens_in = b.seq[:n].gather(1, idx.clamp(max=b.max_len - 1))
-        logits, h = self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
-        forwards = 1
+        return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
 
-        policy = b.policy
-        stops = policy.stops_early
-        limits_dev = b.to_device(limits) if stops or limits.min() != k_max else None
-        active = limits_dev > 0 if stops else None  # rows still drafting (only tracked if rows stop early)
-        lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stops else None
+    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None) -> Draft:
+        b, stop = self.batch, self.stopper
+        k_max = int(limits.max()) if n else 0
+        self.fed_len[:n] = self.d_len[:n]
+        if k_max == 0:
+            return Draft.empty(n, b.device)
+        logits, h = self.catch_up(n)
+        forwards = 1
+        rows = b.sp.view(n)
+        lens = b.lens[:n]
+        self.fed_len[:n] = lens  # the catch-up fed up to the pending token
+        limits_dev = b.to_device(limits) if stop is not None or limits.min() != k_max else None
+        active = limits_dev > 0 if stop is not None else None  # rows still drafting (tracked if rows stop early)
+        lengths = torch.zeros(n, dtype=torch.int64, device=b.device) if stop is not None else None
+        if stop is not None:
+            stop.start(n)
         seq_len = b.to_device(lens) if k_max > 1 else None
         tokens, qs, raws = [], [], []
-        rows = b.sp.view(n)
-        fuzzy = b.spec.verification == "fuzzy"
-        fed = 0  # drafted tokens fed back into the draft this round
-        bad = torch.zeros(n, dtype=torch.bool, device=dev)  # non-finite draft logits (the row fails)
+        bad = torch.zeros(n, dtype=torch.bool, device=b.device)  # non-finite draft logits (the row fails)
         for step in range(k_max):
             bad |= ~torch.isfinite(logits).all(-1)
-            if rows.greedy:
-                x = logits.argmax(-1)
-                q = sampling.probs(logits, rows) if policy.uses_draft_probs else None
-            else:  # each row by its own settings; greedy rows of a mixed batch take the argmax
-                q = sampling.probs(logits, rows)
-                x = sampling.choose(logits, q, b.u_draft[:n, step], rows)
-                qs.append(q)
+            # q: the processed distribution each row's token is drawn from (greedy rows: their argmax)
+            q = sampling.probs(logits, rows) if not rows.greedy or (stop is not None and stop.needs_probs) else None
+            x = sampling.choose(logits, q, None if u is None else u[:, step], rows)
             tokens.append(x)
-            if fuzzy:  # FSD compares the models' raw distributions
+            if not rows.greedy:
+                qs.append(q)
+            if self.raw_q:
                 raws.append(torch.softmax(logits.float(), dim=-1))
-            if stops:
+            if stop is not None:
                 lengths += active
                 token_prob = q.gather(1, x[:, None]).squeeze(1) if q is not None else None
                 active &= limits_dev > step + 1
-                if not policy.keep_after_feed:
-                    keep = policy.keep(step, token_prob, h)
-                    if keep is not None:
-                        active &= keep
+                if not stop.after_feed:
+                    active &= stop.keep(step, token_prob, h)
                 if step + 1 == k_max or not bool(active.any()):  # a host sync: rows stop on the draft's outputs
                     break
             elif step + 1 == k_max:
                 break
-            pos = (seq_len + step)[:, None]  # x_{step+1} sits right after the pending token's run
-            logits, h = self.runner.step(x[:, None], pos, int(lens.max()) + step + 1)
+            # feed x back: it sits right after the pending token's run
+            logits, h = self.runner.step(x[:, None], (seq_len + step)[:, None], int(lens.max()) + step + 1)
             logits, h = logits[:, 0], h[:, 0]
             forwards += 1
-            fed += 1
-            if stops and policy.keep_after_feed:  # e.g. the acceptance head reads h after x was fed
-                keep = policy.keep(step, token_prob, h)
-                if keep is not None:
-                    active &= keep
+            self.fed_len[:n] = lens + step + 1
+            if stop is not None and stop.after_feed:  # e.g. the acceptance head reads h after x was fed
+                active &= stop.keep(step, token_prob, h)
                 if not bool(active.any()):
                     break
-
-        self.fed_len[:n] = lens + fed
         k = len(tokens)
-        draft_tokens = torch.stack(tokens, dim=1)
-        if not stops:
-            lengths = limits_dev if limits_dev is not None else torch.full((n,), k, dtype=torch.int64, device=dev)
-        else:
-            draft_tokens = draft_tokens[:, :k]
-        q_probs = torch.stack(qs, dim=1)[:, :k] if qs else None
-        raw_q = torch.stack(raws, dim=1)[:, :k] if raws else None
-        q_probs, raw_q = (_full_vocab(q, b.vocab_size) for q in (q_probs, raw_q))
-        return Draft(draft_tokens, lengths, q_probs, forwards, bad, max_depth=k, raw_q=raw_q)
+        if stop is None:
+            lengths = limits_dev if limits_dev is not None else torch.full((n,), k, dtype=torch.int64, device=b.device)
+        q_probs = _full_vocab(torch.stack(qs, dim=1), b.vocab_size) if qs else None
+        raw_q = _full_vocab(torch.stack(raws, dim=1), b.vocab_size) if raws else None
+        return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, bad=bad, raw_q=raw_q)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         # the draft cache is right up to the last accepted draft token it was fed

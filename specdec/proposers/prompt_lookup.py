@@ -1,4 +1,4 @@
-"""Prompt lookup decoding, and AASD's alignment-sampled token trees (Wang et al.; ALGORITHMS.md).
+"""Prompt lookup decoding, and AASD's alignment-sampled token trees (Wang et al.).
 
 Each row keeps a pool mapping every n-gram (n = 1..`max_ngram`) of its prompt and output to the
 position that follows its latest occurrence, updated as tokens are accepted (`NgramPool.extend`: the
@@ -15,9 +15,15 @@ Deterministic either way: q is a point mass on each node.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .base import Draft, Proposer
+from .base import Draft, Proposer, Tree
+
+if TYPE_CHECKING:
+    from ..batch import Batch
+    from ..config import PromptLookupConfig
 
 
 class NgramPool:
@@ -46,18 +52,15 @@ class NgramPool:
 
 
 class PromptLookupProposer(Proposer):
-    deterministic = True
-
-    def __init__(self, batch):
+    def __init__(self, batch: Batch, cfg: PromptLookupConfig):
         super().__init__(batch)
-        cfg = batch.spec.prompt_lookup
         self.cfg = cfg
         self.prefill_top = cfg.alignment_sampling + 1 if cfg.alignment_sampling else 0
         self.pools: list[NgramPool | None] = [None] * batch.capacity
         self.prompt_len = [0] * batch.capacity
         self.top: list[np.ndarray | None] = [None] * batch.capacity  # [prompt_len - 1, s + 1] target top ids
 
-    def admit(self, start: int, end: int, target_top: np.ndarray | None = None) -> None:
+    def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
         for slot in range(start, end):
             row = self.batch.rows[slot]
             self.pools[slot] = NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
@@ -87,7 +90,7 @@ class PromptLookupProposer(Proposer):
                 relaxed += [True] * len(siblings)
         return toks, parents, depths, relaxed
 
-    def propose(self, n: int, limits: np.ndarray) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, u=None) -> Draft:
         b = self.batch
         rows = [self._row(i, int(limit)) for i, limit in enumerate(limits.tolist())]
         t = max((len(r[0]) for r in rows), default=0)
@@ -101,10 +104,9 @@ class PromptLookupProposer(Proposer):
                 host[i, 1 + j * t : 1 + j * t + m] = values
         both = b.to_device(host)
         tokens, parent, depth, relaxed = (both[:, 1 + j * t : 1 + (j + 1) * t] for j in range(4))
-        tree = self.prefill_top and any(len(r[0]) > (max(r[2]) if r[2] else 0) for r in rows)
-        max_depth = max((max(r[2]) for r in rows if r[2]), default=0)
-        return Draft(tokens, both[:, 0], None, 0, relaxed=relaxed.bool(),
-                     parent=parent if tree else None, depth=depth if tree else None, max_depth=max_depth)
+        branched = self.prefill_top and any(len(r[0]) > (max(r[2]) if r[2] else 0) for r in rows)
+        tree = Tree(parent, depth, max((max(r[2]) for r in rows if r[2]), default=0)) if branched else None
+        return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool())
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked

@@ -1,0 +1,85 @@
+"""The draft-length policy seam: `plan` a round, `observe` what it did.
+
+Before every round the engine shows a policy the batch (`BatchView`) and asks how many tokens each
+row may draft: one int for every row (the common case) or an array per row (0 = no speculation; the
+engine clips to `max_draft_tokens` and to each row's room). After the round's one read-back it shows
+what happened (`RoundResult`). A policy owns its state: what it learns lives on the policy (one per
+engine, so it outlives batches), what it keeps per row lives in the batch's `Slots`, registered by
+`attach` and reset there when rows join.
+
+Optional, where a policy needs them: `drafts_soon` (will the next round draft? if not, a drafter may
+defer work for rows joining now) and a `stopper` (stops rows' drafts on the draft's own outputs, at
+the price of a host sync per draft step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ..config import SpecConfig
+    from ..costmodel import CostModel
+    from ..slots import Slots
+
+
+@dataclass
+class PolicyEnv:
+    """What the engine gives the policies it builds."""
+
+    device: torch.device | str = "cpu"
+    costs: CostModel | None = None  # measured costs, for a policy that `needs_costs`
+    row_tokens: int = 0  # the tokens a row emits unless it stops early: max_new_tokens
+
+
+@dataclass
+class BatchView:
+    n: int  # active rows [0, n)
+    waiting: int  # prompts queued for a free slot
+    joined: int = 0  # rows admitted since the last round
+
+
+@dataclass
+class RoundResult:
+    n: int
+    drafted: np.ndarray  # [n] tokens each row proposed (tree nodes, for token trees)
+    accepted: np.ndarray  # [n] of them accepted
+    finished: np.ndarray  # [n] bool: rows that leave the batch after this round
+    seconds: float | None  # the round's time from plan to read-back; None: no sample of its length's cost
+
+
+class DraftStopper:
+    """Stops rows' drafts on the draft's outputs: after draft step `step`, `keep` says which rows go on."""
+
+    needs_probs = False  # keep() reads q(x) of the drafted token
+    after_feed = False  # keep() reads the draft's hidden state after x was fed back
+
+    def start(self, n: int) -> None:
+        """A round of n rows begins."""
+
+    def keep(self, step: int, token_prob: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LengthPolicy:
+    needs_costs: ClassVar[bool] = False  # built with the engine's cost model (`SpecEngine.measure_costs`)
+    stopper: DraftStopper | None = None
+
+    def __init__(self, spec: SpecConfig, env: PolicyEnv | None = None):
+        self.spec = spec
+        self.env = env or PolicyEnv()
+
+    def attach(self, slots: Slots) -> None:
+        """A new batch: register per-row state in its slots."""
+
+    def plan(self, view: BatchView) -> int | np.ndarray:
+        raise NotImplementedError
+
+    def observe(self, result: RoundResult) -> None:
+        pass
+
+    def drafts_soon(self, view: BatchView) -> bool:
+        return True

@@ -19,6 +19,7 @@ from .sampling import RowSettings
 from .slots import Slots
 
 if TYPE_CHECKING:
+    from .grammar import Constraints
     from .proposers.base import Proposer
     from .runner import ModelRunner
     from .tp import TPRunner
@@ -57,6 +58,7 @@ class Batch:
     """The active rows [0, n): token buffer, lengths (on the host), per-row records and settings."""
 
     proposer: Proposer  # set by the engine once the batch exists (a proposer keeps per-row state of it)
+    constraints: Constraints | None = None  # the rows' output formats, when some row may have one
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int,
                  sampling: SamplingParams):
@@ -68,6 +70,7 @@ class Batch:
         self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
         self.slots = Slots(capacity, self.device)
         self.lens = self.slots.add_host("seq_len")  # tokens per row (prompt + emitted), known on the host
+        self.cached = self.slots.add_host("target_len")  # of them in the target's cache: lens - 1 but after jump-forward
         self.sp = RowSettings(self.slots, sampling)  # each row's sampling settings (`sp.view(n)`)
         self.rows: list[Row | None] = [None] * capacity
         self.n = 0
@@ -102,7 +105,26 @@ class Batch:
         if t <= 0:
             return np.zeros((end - start, 0, top), dtype=np.int64) if top else None
         ids = self.target.prefill(self.seq[start:end, :t], start, end, top)
+        self.cached[start:end] = self.lens[start:end] - 1
         return None if ids is None else ids.cpu().numpy()
+
+    def append(self, tokens: dict[int, list[int]]) -> None:
+        """Rows (by slot) emitted these tokens outside a round (jump-forward): one copy to the device."""
+        if not tokens:
+            return
+        rows = np.concatenate([np.full(len(t), slot) for slot, t in tokens.items()])
+        cols = np.concatenate([self.lens[slot] + np.arange(len(t)) for slot, t in tokens.items()])
+        values = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens.values()])
+        at = self.to_device(np.stack([rows, cols.clip(max=self.max_len - 1), values]))
+        self.seq[at[0], at[1]] = at[2]
+        for slot, t in tokens.items():
+            self.lens[slot] += len(t)
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst, just admitted with row src's prompt, takes src's caches instead of a prefill of its own."""
+        self.target.cache.move_row(src, dst, int(self.cached[src]))
+        self.proposer.copy_row(src, dst)
+        self.slots.move(src, dst)
 
     def move_row(self, src: int, dst: int) -> None:
         if src == dst:
@@ -112,4 +134,6 @@ class Batch:
         self.proposer.move_row(src, dst)
         self.seq[dst, :length] = self.seq[src, :length]
         self.slots.move(src, dst)
+        if self.constraints is not None:
+            self.constraints.move(src, dst)
         self.rows[dst] = self.rows[src]

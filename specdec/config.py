@@ -56,8 +56,41 @@ class ModelsConfig(Config):
                                                         "`method: draft_model`")
 
 
+class JsonSchemaFormat(Config):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
+    name: str | None = Field(None, description="the schema's name (OpenAI's; informational)")
+    schema_: dict = Field(alias="schema", description="a JSON Schema the output validates against")
+    strict: bool | None = Field(None, description="OpenAI's flag; outputs always follow the schema here")
+    description: str | None = Field(None, description="informational")
+
+
+class ResponseFormat(Config):
+    """What the output must be, as the OpenAI API writes it (`text`, `json_object`, `json_schema`), or a regex
+    or a list of choices; the grammar masks both models (specdec/grammar.py)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "choice"] = Field(
+        description="`text`: free; `json_object`: any JSON object; `json_schema`: the object `json_schema.schema` "
+                    "describes; `regex`: text the `regex` matches in full; `choice`: one of `choice`")
+    json_schema: JsonSchemaFormat | None = Field(None, description="`{schema, name, strict}` of `json_schema`")
+    regex: str | None = Field(None, description="of `regex`")
+    choice: tuple[str, ...] | None = Field(None, description="of `choice`")
+
+    @model_validator(mode="after")
+    def _complete(self):
+        needs = {"json_schema": "json_schema", "regex": "regex", "choice": "choice"}.get(self.type)
+        if needs and not getattr(self, needs):
+            raise ValueError(f"response_format type {self.type} needs response_format.{needs}")
+        return self
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+
 class SamplingParams(Config):
-    """Token selection, applied identically to draft (q) and target (p) logits, in float32."""
+    """Token selection, applied identically to draft (q) and target (p) logits, in float32; and what a row
+    returns: `n` samples, logprobs, an output format."""
 
     max_new_tokens: int = Field(256, ge=1, description="per row")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
@@ -67,10 +100,27 @@ class SamplingParams(Config):
     stop_token_ids: tuple[int, ...] = Field((), description="besides the target's EOS ids")
     stop: tuple[str, ...] = Field((), description="stop strings: generation ends once the decoded output holds one; the "
                                                   "completion ends before it (`token_ids` keep its tokens)")
+    n: int = Field(1, ge=1, le=128, description="samples per prompt, each from its own generator (seed, row id, "
+                                               "sample index); the prompt is prefilled once for them")
+    logprobs: bool = Field(False, description="return the log-probability of each generated token under the "
+                                              "distribution it was drawn from (the target's, after temperature, "
+                                              "top-k, top-p and the output format's mask)")
+    top_logprobs: int = Field(0, ge=0, le=20, description="with `logprobs`: also the k most likely tokens at each "
+                                                          "position, under the same distribution")
+    response_format: ResponseFormat | None = Field(None, description="`{type: json_schema, json_schema: {schema}}`, "
+                                                   "`{type: json_object}`, `{type: regex, regex}`, `{type: choice, "
+                                                   "choice: [...]}` or `{type: text}` (OpenAI's shape): both models "
+                                                   "are masked by its grammar, so the output follows it")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def grammar(self) -> ResponseFormat | None:
+        """The output format, when it constrains the output."""
+        fmt = self.response_format
+        return fmt if fmt is not None and fmt.constrained else None
 
 
 class AcceptanceHeadConfig(Config):
@@ -177,9 +227,10 @@ class SpecConfig(Config):
         return self.max_draft_tokens
 
 
-def row_seed(seed: int, key: object) -> int:
-    """A row's generator seed from (job seed, row id): independent of batch composition."""
-    digest = hashlib.sha256(f"{seed}\x00{key}".encode()).digest()
+def row_seed(seed: int, key: object, sample: int = 0) -> int:
+    """A row's generator seed from (job seed, row id, sample index): independent of batch composition."""
+    text = f"{seed}\x00{key}" + (f"\x00{sample}" if sample else "")  # sample 0 draws as a row of n = 1
+    digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -188,12 +239,13 @@ class SampleResult:
     """One row's generation and its statistics (the output columns of the README's "Outputs")."""
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
-        "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds", "draft_forwards",
-        "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths", "acceptance_rate",
-        "mean_accepted_length", "verification", "wall_s")
+        "sample_index", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds",
+        "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths", "acceptance_rate",
+        "mean_accepted_length", "forced_tokens", "verification", "logprobs", "top_logprobs", "wall_s")
 
     key: object
     prompt_tokens: int
+    sample_index: int = 0  # which of the prompt's `n` samples
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     error: str | None = None
@@ -201,7 +253,10 @@ class SampleResult:
     draft_forwards: int = 0  # draft forwards this row took part in (0 for prompt lookup / none)
     draft_lengths: list[int] = field(default_factory=list)  # per round: tokens proposed
     accept_lengths: list[int] = field(default_factory=list)  # per round: tokens accepted
+    forced_tokens: int = 0  # tokens the output format allowed alone, emitted without a model call (jump-forward)
     verification: str | None = None  # the rule that accepted its tokens: lossless, fuzzy or conditional
+    logprobs: list[float] | None = None  # per token (with `logprobs`): its log-probability where it was drawn
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: the top (id, logprob) there
     stop_string: str | None = None  # the stop string that ended it (the completion ends before it)
     wall_s: float = 0.0
 
@@ -236,6 +291,6 @@ class SampleResult:
         return self.error.split(":", 1)[0] if self.error else None
 
     @classmethod
-    def failed(cls, key: object, prompt_tokens: int, error: str) -> "SampleResult":
+    def failed(cls, key: object, prompt_tokens: int, error: str, sample_index: int = 0) -> "SampleResult":
         """A row that could not be generated; `error` reads "reason: detail"."""
-        return cls(key=key, prompt_tokens=prompt_tokens, finish_reason="error", error=error)
+        return cls(key=key, prompt_tokens=prompt_tokens, sample_index=sample_index, finish_reason="error", error=error)

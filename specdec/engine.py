@@ -36,7 +36,8 @@ from .policies import LengthPolicy, PolicyEnv, make_policy, policy_class
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
 from .proposers.prompt_lookup import PromptLookupProposer
-from .rounds import Rounds
+from .grammar import Constraints, GrammarError, Grammars
+from .rounds import Request, Rounds
 from .runner import ModelRunner
 from .stops import StopStrings
 from .tp import TPRunner
@@ -66,6 +67,7 @@ class SpecEngine:
         self.device = pair.device
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
         self.stop_strings = StopStrings(pair.tokenizer)
+        self.grammars = Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(self.stop_ids)))  # output formats
         models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
         self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
         self.rule = make_rule(spec)
@@ -217,10 +219,11 @@ class SpecEngine:
     def generate(self, prompts: list[list[int]], keys: list | None = None, truncate: str = "error",
                  on_round: Callable[[int], None] | None = None,
                  params: list[SamplingParams | None] | None = None) -> list[SampleResult]:
-        """Generate for every prompt; results in input order. A prompt that cannot run becomes an error result
-        ("reason: detail"); `truncate="left"` cuts a prompt too long for a row to its last tokens instead.
-        `on_round(tokens)` is called after every round with the tokens it emitted (progress). `params`: a
-        prompt's own sampling settings (None: the engine's); rows with different settings share batches."""
+        """Generate for every prompt; results in input order, a prompt's `n` samples one after another (one
+        result per prompt when n is 1). A prompt that cannot run becomes an error result ("reason: detail") per
+        sample; `truncate="left"` cuts a prompt too long for a row to its last tokens instead. `on_round(tokens)`
+        is called after every round with the tokens it emitted (progress). `params`: a prompt's own settings
+        (None: the engine's); rows with different settings share batches."""
         keys = list(range(len(prompts))) if keys is None else list(keys)
         if len(keys) != len(prompts):
             raise ValueError("keys and prompts differ in length")
@@ -229,23 +232,34 @@ class SpecEngine:
             raise ValueError("params and prompts differ in length")
         if any(p.stop for p in params) and self.pair.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer")
-        results: list[SampleResult | None] = [None] * len(prompts)
-        todo, runnable = [], []
+        requests, results, todo = [], [], []
         plan = self.memory_plan(self.batch_size)
-        for i, p in enumerate(prompts):
-            max_new = params[i].max_new_tokens
-            p, reason = self._check_prompt([int(t) for t in p], self.max_prompt_tokens(plan, max_new), truncate,
-                                           max_new)
-            runnable.append(p)
-            if reason:
-                results[i] = SampleResult.failed(keys[i], len(p), reason)
-            else:
-                todo.append(i)
+        for i, (p, key, sp) in enumerate(zip(prompts, keys, params)):
+            p, reason = self._check_prompt([int(t) for t in p], self.max_prompt_tokens(plan, sp.max_new_tokens),
+                                           truncate, sp.max_new_tokens)
+            if reason is None and sp.grammar is not None:
+                reason = self._check_format(sp)
+            for sample in range(sp.n):
+                results.append(SampleResult.failed(key, len(p), reason, sample) if reason else None)
+                requests.append(Request(p, key, sample, sp, i))
+                if not reason:
+                    todo.append(len(requests) - 1)
         if todo:
             policy = self.measure_costs()
-            # longest first: similar lengths run together and the long tail does not trail at the end
-            todo.sort(key=lambda i: -len(runnable[i]))
-            max_len = max(self.row_tokens(len(runnable[i]), params[i].max_new_tokens) for i in todo)
+            # longest first: similar lengths run together and the long tail does not trail at the end; a prompt's
+            # samples stay together, so that they join together and share its prefill
+            todo.sort(key=lambda i: (-len(requests[i].prompt), requests[i].group))
+            max_len = max(self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo)
             batch = self.new_batch(min(self._batch_rows(max_len, plan), len(todo)), max_len, policy)
-            Rounds(self, batch, policy, runnable, keys, params, results, on_round).run(deque(todo))
+            if any(requests[i].sp.grammar is not None for i in todo):
+                batch.constraints = Constraints(batch.capacity, self.vocab_size, self.device, self.stop_ids)
+            Rounds(self, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
+
+    def _check_format(self, sp: SamplingParams) -> str | None:
+        """Why a row's output format cannot run ("bad_response_format: ..."), or None."""
+        try:
+            self.grammars.matcher(sp.grammar)
+        except GrammarError as exc:
+            return str(exc)
+        return None

@@ -23,7 +23,7 @@ from .batch import sync
 from .costmodel import Profile, best_length, bucket, expected_tokens
 from .policies.simple import FixedLength
 from .proposers.base import Draft
-from .rounds import Rounds
+from .rounds import Request, Rounds
 
 if TYPE_CHECKING:
     from .engine import SpecEngine
@@ -41,7 +41,8 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
     prompts = pattern.repeat(1, context // 16 + 1)[:, :context].tolist()
     policy = FixedLength(engine.spec)  # drafts on demand, prefills the draft
     batch = engine.new_batch(cap, context + m + 2, policy)
-    loop = Rounds(engine, batch, policy, prompts, list(range(cap)), [engine.sampling] * cap, [None] * cap)
+    loop = Rounds(engine, batch, policy, [Request(p, i, 0, engine.sampling, i) for i, p in enumerate(prompts)],
+                  [None] * cap)
     loop.admit(list(range(cap)))
     drafting = engine.spec.method == "draft_model"
     hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
@@ -59,6 +60,7 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
 
     def reset(n: int) -> None:
         batch.lens[:n] = context
+        batch.cached[:n] = context - 1
         batch.proposer.rewind(n)
 
     def draft_seconds(n: int, k: int) -> float:

@@ -8,7 +8,9 @@ target's cache):
   verdict = rule(logits, draft)               accepted a, and the recovered / bonus token y
   emit x_1..x_a, y; cut at a stop token, a stop string or max_new_tokens; finished rows leave
 A round reads the device back once, at the end of `verify`; everything the host needs before that
-(lengths, K) it already knows.
+(lengths, K) it already knows. Rows with an output format (specdec/grammar.py) are verified under its
+masks, and then take the tokens it allows alone (jump-forward): the target reads those in the next
+round's forward, which then starts up to `lag` tokens before each row's pending token.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Request:
+    """One row to generate: a prompt's sample."""
+
+    prompt: list[int]
+    key: object
+    sample: int  # which of the prompt's n samples (its generator's seed includes it)
+    sp: SamplingParams
+    group: int  # the prompt's index: samples of one prompt share its prefill
+
+
+@dataclass
 class Readback:
     """A round's results on the host, per row of [0, n)."""
 
@@ -39,16 +52,19 @@ class Readback:
     drafted: np.ndarray  # [n] tokens (tree nodes) proposed
     bad: np.ndarray  # [n] non-finite logits: bit 1 the target's, bit 2 the draft's
     tokens: list[list[int]]  # per row x_1..x_a, y (stale past a + 1)
+    logprobs: np.ndarray | None = None  # [n, a + 1 ...] of each token where it was drawn (rows asked for them)
+    top: tuple[np.ndarray, np.ndarray] | None = None  # ids and logprobs [n, a + 1 ..., K] of the top tokens there
 
 
 class Rounds:
-    def __init__(self, engine: SpecEngine, batch: Batch, policy: LengthPolicy, prompts: list[list[int]], keys: list,
-                 params: list[SamplingParams], results: list[SampleResult | None], on_round=None):
+    def __init__(self, engine: SpecEngine, batch: Batch, policy: LengthPolicy, requests: list[Request],
+                 results: list[SampleResult | None], on_round=None):
         self.e, self.b, self.policy = engine, batch, policy
-        self.prompts, self.keys, self.params, self.results = prompts, keys, params, results
+        self.requests, self.results = requests, results
         self.on_round = on_round
         self.m = engine.spec.max_draft_tokens if engine.spec.method != "none" else 0
-        self.random = not all(sp.greedy for sp in params)  # some row samples: rounds draw uniforms
+        self.random = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw uniforms
+        self.top = max((r.sp.top_logprobs for r in requests if r.sp.logprobs), default=-1)  # -1: no logprobs
         self.waiting = self.joined = 0
 
     def run(self, queue: deque) -> None:
@@ -59,19 +75,34 @@ class Rounds:
             self.round()
 
     def admit(self, indices: list[int], waiting: int = 0) -> None:
+        """Requests `indices` join the batch. One sample of each prompt is prefilled; the others copy its
+        caches (they sit after all the prefilled rows, so that these are contiguous)."""
         b, now = self.b, time.perf_counter()
-        start, end = b.n, b.n + len(indices)
-        rows = []
+        first: dict[int, int] = {}  # group -> its prefilled request
         for i in indices:
-            sp = self.params[i]
-            gen = None if sp.greedy else torch.Generator().manual_seed(row_seed(sp.seed, self.keys[i]))
-            result = SampleResult(key=self.keys[i], prompt_tokens=len(self.prompts[i]), verification=self.e.rule.name)
-            rows.append(Row(i, result, list(self.prompts[i]), gen, now, sp))
+            first.setdefault(self.requests[i].group, i)
+        lead = list(first.values())
+        order = lead + [i for i in indices if i not in set(lead)]
+        start, mid, end = b.n, b.n + len(lead), b.n + len(order)
+        rows = []
+        for i in order:
+            r = self.requests[i]
+            gen = None if r.sp.greedy else torch.Generator().manual_seed(row_seed(r.sp.seed, r.key, r.sample))
+            result = SampleResult(key=r.key, prompt_tokens=len(r.prompt), sample_index=r.sample,
+                                  verification=self.e.rule.name)
+            rows.append(Row(i, result, list(r.prompt), gen, now, r.sp))
         b.write_rows(start, rows)
-        top = b.prefill_target(start, end, b.proposer.prefill_top)
-        self.waiting, self.joined = waiting, self.joined + len(indices)
-        b.proposer.admit(start, end, top, drafting=self.policy.drafts_soon(self.view(end)))
+        top = b.prefill_target(start, mid, b.proposer.prefill_top)
+        self.waiting, self.joined = waiting, self.joined + len(order)
+        b.proposer.admit(start, mid, top, drafting=self.policy.drafts_soon(self.view(end)))
+        for slot in range(mid, end):
+            b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)
         b.n = end
+        if b.constraints is not None:
+            for slot, i in zip(range(start, end), order):
+                fmt = self.requests[i].sp.grammar
+                b.constraints.matchers[slot] = None if fmt is None else self.e.grammars.matcher(fmt)
+            self.jump_forward(range(start, end))
 
     def view(self, n: int) -> BatchView:
         return BatchView(n, self.waiting, self.joined)
@@ -97,7 +128,8 @@ class Rounds:
         k = draft.tokens.shape[1]
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # a width timed, not a K's cost
         out = self.verify(n, draft, widths.choose(n, k + 1) if widths else k + 1, u)
-        emitted = sum(self.finish(b.rows[i], out, i, draft.forwards) for i in range(n))
+        emitted = sum(self.finish(i, out, draft.forwards) for i in range(n))
+        emitted += self.jump_forward(range(n))
         finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
         seconds = None if trial else self.e.clock() - t0
         self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds))
@@ -119,21 +151,28 @@ class Rounds:
         b, dev, k = self.b, self.b.device, draft.tokens.shape[1]
         t0 = time.perf_counter()
         lens = b.lens[:n].copy()
+        lag = int((lens - b.cached[:n]).max())  # the most tokens a row's target cache lacks (1 but after jump-forward)
         base = b.to_device(lens) - 1  # [n] the pending token's slot
-        tokens_in = torch.cat([b.seq[torch.arange(n, device=dev), base][:, None], draft.tokens], dim=1)  # [n, k+1]
+        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
+        tokens_in = torch.cat([b.seq[:n].gather(1, behind), draft.tokens], dim=1)  # [n, lag + k]
         kv_len = int(lens.max()) - 1 + width
         if draft.tree is None:  # chains, padded with junk to `width`
-            positions = base[:, None] + torch.arange(width, device=dev)[None, :]
+            positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
             logits, _ = b.target.step(torch.nn.functional.pad(tokens_in, (0, width - k - 1)), positions, kv_len)
         else:  # token trees: node j at slot base + j, position base + depth, seeing its ancestors
             t = draft.tree
-            positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth)
+            positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
             logits, _ = b.target.step(tokens_in, positions, kv_len, slots=slots, mask=mask)
-        logits = logits[:, : k + 1, : b.vocab_size]  # [n, k+1, vocab]
-        v = self.e.rule(logits, draft, b.sp.view(n), None if u is None else u[:, self.m :])
+        logits = logits[:, lag - 1 : lag + k, : b.vocab_size]  # [n, k+1, vocab]
         bad = (~torch.isfinite(logits).flatten(1).all(1)).to(torch.int64)  # 1: the target's logits are not finite
         if draft.bad is not None:
             bad |= draft.bad.to(torch.int64) << 1  # 2: the draft's
+        if b.constraints is not None:  # on the host while the forward runs: each row's format masks p
+            self.constrain(n, draft)
+        if draft.allowed is not None:
+            logits = logits.masked_fill(~draft.allowed, float("-inf"))
+        rows = b.sp.view(n)
+        v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :])
 
         new = draft.tokens
         if v.path is not None:  # keep the accepted path: its tokens, and its keys and values moved into place
@@ -145,29 +184,87 @@ class Rounds:
         write = (base[:, None] + 1 + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=b.max_len - 1)
         b.seq[:n].scatter_(1, write, new)
 
-        host = torch.cat([v.accepted[:, None], draft.lengths[:, None], bad[:, None], new], 1).cpu().numpy()  # read-back
-        out = Readback(host[:, 0], host[:, 1], host[:, 2], host[:, 3:].tolist())
+        parts = [v.accepted[:, None], draft.lengths[:, None], bad[:, None], new]
+        if self.top >= 0:
+            parts.append(self.logprobs(logits, rows, new, v.path))
+        host = torch.cat(parts, dim=1).cpu().numpy()  # the read-back
+        w = new.shape[1]
+        out = Readback(host[:, 0], host[:, 1], host[:, 2], host[:, 3 : 3 + w].tolist())
+        if self.top >= 0:
+            floats = host[:, 3 + w :].view(np.float64)
+            out.logprobs = floats[:, :w]
+            if self.top:
+                out.top = (host[:, 3 + w * (2 + self.top) :].reshape(n, w, self.top),
+                           floats[:, w : w * (1 + self.top)].reshape(n, w, self.top))
         b.lens[:n] = lens + out.accepted + 1
+        b.cached[:n] = b.lens[:n] - 1
         b.proposer.commit(n, lens, out.accepted)
         if self.e.widths:
             self.e.widths.observe(n, width, time.perf_counter() - t0)
         return out
 
-    def finish(self, row: Row, out: Readback, i: int, forwards: int) -> int:
-        """Row i's share of the round: its tokens, cut after a stop token, at a stop string or at max_new_tokens,
-        and its statistics. Returns how many tokens it emitted."""
+    def constrain(self, n: int, draft: Draft) -> None:
+        """Cut each constrained row's chain to what its grammar allows, and mask every verified position."""
+        g, k = self.b.constraints, draft.tokens.shape[1]
+        if not g.rows(n):
+            return
+        host = draft.host_tokens if draft.host_tokens is not None else np.zeros((n, k), dtype=np.int64)
+        full = np.full(n, k)
+        if draft.tree is not None:
+            draft.allowed = g.tree_masks(n, host, draft.tree.host_parent, full)
+            return
+        tokens = host.tolist()
+        valid = g.valid_lengths(n, tokens, full)
+        draft.lengths = torch.minimum(draft.lengths, self.b.to_device(valid))
+        draft.allowed = g.chain_masks(n, tokens, valid, k + 1)
+
+    def logprobs(self, logits: torch.Tensor, rows, new: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
+        """Each emitted token's logprob where it was drawn, and the top ones there, as float64 bits (int64) for
+        the round's one read-back: [n, w] chosen, [n, w * K] top logprobs, [n, w * K] top ids."""
+        lp = sampling.logprobs(logits, rows)  # [n, k+1, vocab]
+        if path is not None:  # a tree's token j was drawn at its parent: the root, then the path's nodes
+            at = torch.nn.functional.pad(path, (1, 0))[:, : new.shape[1]]
+            lp = lp.gather(1, at[:, :, None].expand(-1, -1, lp.shape[-1]))
+        chosen = lp.gather(2, new[:, :, None]).squeeze(2).double()
+        parts = [chosen.view(torch.int64)]
+        if self.top:
+            values, ids = lp.topk(self.top, dim=-1)
+            parts += [values.double().flatten(1).view(torch.int64), ids.flatten(1)]
+        return torch.cat(parts, dim=1)
+
+    def finish(self, i: int, out: Readback, forwards: int) -> int:
+        """Row i's share of the round: its tokens and statistics. Returns how many tokens it emitted."""
+        row, b = self.b.rows[i], self.b
         res = row.result
         if out.bad[i]:  # this row's logits were NaN or inf: its tokens mean nothing from here on
             res.finish_reason = "error"
             res.error = f"non_finite_logits: the {'target' if out.bad[i] & 1 else 'draft'}'s logits held NaN or inf"
             return 0
         a = int(out.accepted[i])
-        emitted = out.tokens[i][: a + 1]
-        stop = next((j for j, t in enumerate(emitted) if t in self.e.stop_ids or t in row.sp.stop_token_ids), None)
-        cut = len(emitted) if stop is None else stop + 1
+        tokens = out.tokens[i][: a + 1]
+        lps = top = None
+        if row.sp.logprobs:
+            lps = out.logprobs[i, : a + 1].tolist()
+            top = None if out.top is None else [list(zip(*t)) for t in zip(out.top[0][i, : a + 1].tolist(),
+                                                                               out.top[1][i, : a + 1].tolist())]
+        kept = self.emit(row, tokens, lps, top)
+        res.rounds += 1
+        res.draft_forwards += forwards
+        res.draft_lengths.append(int(out.drafted[i]))
+        res.accept_lengths.append(min(a, kept))
+        if b.constraints is not None and not b.constraints.commit(i, tokens[:kept]):
+            res.finish_reason, res.error = "error", "grammar: an emitted token left the output format"
+        return kept
+
+    def emit(self, row: Row, tokens: list[int], lps: list[float] | None = None, top=None) -> int:
+        """Append `tokens` to the row, cut after a stop token, at a stop string or at max_new_tokens; their logprobs
+        too, where the row asked. Returns how many were kept."""
+        res = row.result
+        stop = next((j for j, t in enumerate(tokens) if t in self.e.stop_ids or t in row.sp.stop_token_ids), None)
+        cut = len(tokens) if stop is None else stop + 1
         if stop is not None:
             res.finish_reason = "stop"
-        if row.sp.stop and (hit := self.e.stop_strings.find(res.token_ids, emitted[:cut], row.sp.stop)) is not None:
+        if row.sp.stop and (hit := self.e.stop_strings.find(res.token_ids, tokens[:cut], row.sp.stop)) is not None:
             cut, res.stop_string = hit
             res.finish_reason = "stop"
         room = row.sp.max_new_tokens - res.generated_tokens
@@ -175,13 +272,34 @@ class Rounds:
             if cut > room or res.finish_reason != "stop":
                 res.finish_reason = "length"
             cut = room
-        res.token_ids.extend(emitted[:cut])
-        row.tokens.extend(emitted[:cut])
-        res.rounds += 1
-        res.draft_forwards += forwards
-        res.draft_lengths.append(int(out.drafted[i]))
-        res.accept_lengths.append(min(a, cut))
+        res.token_ids.extend(tokens[:cut])
+        row.tokens.extend(tokens[:cut])
+        if row.sp.logprobs:
+            res.logprobs = (res.logprobs or []) + lps[:cut]
+            if row.sp.top_logprobs:
+                res.top_logprobs = (res.top_logprobs or []) + [[(t, p) for t, p in pairs if p > float("-inf")]
+                                                               [: row.sp.top_logprobs] for pairs in top[:cut]]
         return cut
+
+    def jump_forward(self, slots) -> int:
+        """Rows whose output format allows exactly one next token take it (and the next, while that holds)
+        without a model call; the target reads them in the next round. Only where the engine speculates: plain
+        decoding (method none) stays one token per target call. Returns the tokens emitted."""
+        b = self.b
+        if not self.m or b.constraints is None:
+            return 0
+        added: dict[int, list[int]] = {}
+        for i in slots:
+            row = b.rows[i]
+            if b.constraints.matchers[i] is None or row.done:
+                continue
+            forced = b.constraints.forced(i, row.sp.max_new_tokens - row.result.generated_tokens)
+            if forced:
+                kept = self.emit(row, forced, [0.0] * len(forced), [[(t, 0.0)] for t in forced])
+                row.result.forced_tokens += kept
+                added[i] = forced[:kept]
+        b.append(added)
+        return sum(len(t) for t in added.values())
 
     def retire(self, slot: int) -> None:
         b = self.b

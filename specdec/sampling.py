@@ -60,13 +60,14 @@ class RowSettings:
                     bool(g.any()), bool((self.host["top_k"][:n] > 0).any()), bool((self.host["top_p"][:n] < 1).any()))
 
 
-def probs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
-    """Processed next-token distribution, float32. logits: [..., vocab] ([n, ..., vocab] for `Rows`)."""
+def processed(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
+    """The logits each row samples from, float32: divided by its temperature, -inf outside its top-k and top-p
+    (greedy rows: as they are). logits: [..., vocab] ([n, ..., vocab] for `Rows`)."""
     if isinstance(sp, Rows):
-        return _row_probs(logits, sp)
+        return _row_processed(logits, sp)
     x = logits.float()
     if sp.greedy:
-        return torch.softmax(x, dim=-1)  # only used by confidence-style policies under greedy
+        return x
     x = x / sp.temperature
     vocab = x.shape[-1]
     if 0 < sp.top_k < vocab:
@@ -79,11 +80,22 @@ def probs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    return torch.softmax(x, dim=-1)
+    return x
 
 
-def _row_probs(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """`probs` with each row's own temperature, top-k and top-p (greedy rows: the plain softmax)."""
+def probs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
+    """Processed next-token distribution, float32 (greedy: the plain softmax, which confidence-style policies
+    and logprobs read)."""
+    return torch.softmax(processed(logits, sp), dim=-1)
+
+
+def logprobs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
+    """log `probs`, computed stably."""
+    return torch.log_softmax(processed(logits, sp), dim=-1)
+
+
+def _row_processed(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """`processed` with each row's own temperature, top-k and top-p (greedy rows: temperature 1, no cut)."""
     x = logits.float()
     shape = (x.shape[0],) + (1,) * (x.dim() - 1)
     x = x / rows.temperature.view(shape)
@@ -99,7 +111,7 @@ def _row_probs(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
             sorted_p = torch.softmax(sorted_x, dim=-1)
             drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p.view(shape)
             x = torch.empty_like(x).scatter_(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    return torch.softmax(x, dim=-1)
+    return x
 
 
 def choose(logits: torch.Tensor, dist: torch.Tensor | None, u: torch.Tensor | None, rows: SamplingParams | Rows):

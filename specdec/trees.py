@@ -59,9 +59,11 @@ def ancestors(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
-def tree_inputs(parent: torch.Tensor, depth: torch.Tensor, base: torch.Tensor, kv_len: int, max_depth: int):
-    """Positions, cache slots [n, T+1] and the attention mask [n, 1, T+1, kv_len] of a tree forward over
-    [root, nodes 1..T] whose root sits at slot `base` [n]."""
+def tree_inputs(parent: torch.Tensor, depth: torch.Tensor, base: torch.Tensor, kv_len: int, max_depth: int,
+                before: int = 0):
+    """Positions, cache slots [n, before + T+1] and the attention mask [n, 1, before + T+1, kv_len] of a tree
+    forward over [root, nodes 1..T] whose root sits at slot `base` [n], after `before` tokens the target has not
+    read yet (at slots base - before .. base - 1, clamped at 0, each seeing the row up to itself)."""
     n, t = parent.shape
     ar = torch.arange(t + 1, device=parent.device)
     positions = base[:, None] + _with_root(depth)
@@ -71,6 +73,11 @@ def tree_inputs(parent: torch.Tensor, depth: torch.Tensor, base: torch.Tensor, k
     anc = ancestors(parent, max_depth)  # [n, T+1, T+1]
     tree = anc.gather(2, rel.clamp(0, t)[:, None, :].expand(n, t + 1, kv_len))
     mask = (rel < 0)[:, None, :] | (inside[:, None, :] & tree)
+    if before:
+        lead = (base[:, None] + torch.arange(-before, 0, device=parent.device)[None, :]).clamp(min=0)  # [n, before]
+        lead_mask = torch.arange(kv_len, device=parent.device)[None, None, :] <= lead[:, :, None]
+        positions, slots = torch.cat([lead, positions], 1), torch.cat([lead, slots], 1)
+        mask = torch.cat([lead_mask, mask], 1)
     return positions, slots, mask[:, None]
 
 

@@ -26,7 +26,9 @@ _TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "gener
           "finish_reason": pa.string(), "error": pa.string(), "rounds": pa.int32(), "draft_forwards": pa.int32(),
           "drafted_tokens": pa.int32(), "accepted_tokens": pa.int32(), "draft_lengths": pa.list_(pa.int16()),
           "accept_lengths": pa.list_(pa.int16()), "acceptance_rate": pa.float64(),
-          "mean_accepted_length": pa.float64(), "verification": pa.string(), "wall_s": pa.float64()}
+          "mean_accepted_length": pa.float64(), "verification": pa.string(), "wall_s": pa.float64(),
+          "sample_index": pa.int32(), "forced_tokens": pa.int32(), "logprobs": pa.list_(pa.float32()),
+          "top_logprobs": pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))}
 SCHEMA = pa.schema([("id", pa.string()), ("completion", pa.string())]
                    + [(name, _TYPES[name]) for name in SampleResult.COLUMNS]
                    + [("warnings", pa.string()), ("chat", pa.bool_()), ("control", pa.bool_())])
@@ -49,9 +51,15 @@ class OutputSpec(Config):
         return columns
 
 
+def _cell(name: str, value):
+    if name == "top_logprobs" and value is not None:  # (id, logprob) pairs -> structs
+        return [[{"token_id": t, "logprob": p} for t, p in top] for top in value]
+    return value
+
+
 def parquet_bytes(rows: list[dict], keep: list[str]) -> bytes:
     """A part's Parquet bytes: the schema's columns, then the kept input columns (types as pyarrow infers)."""
-    table = pa.Table.from_pylist([{k: r[k] for k in SCHEMA.names} for r in rows], schema=SCHEMA)
+    table = pa.Table.from_pylist([{k: _cell(k, r[k]) for k in SCHEMA.names} for r in rows], schema=SCHEMA)
     for name in keep:
         table = table.append_column(name, pa.array([r.get(name) for r in rows]))
     buf = io.BytesIO()

@@ -19,6 +19,7 @@ class Tree:
     parent: torch.Tensor  # [n, T] each node's parent (0: the pending token)
     depth: torch.Tensor  # [n, T] each node's depth (1: a child of the pending token)
     max_depth: int  # host: the deepest node
+    host_parent: np.ndarray | None = None  # [n, T] `parent` on the host, where the proposer has it
 
 
 @dataclass
@@ -33,6 +34,8 @@ class Draft:
     # prompt), and the draft's raw distributions that fuzzy verification compares with the target's
     relaxed: torch.Tensor | None = None  # [n, T] bool
     raw_q: torch.Tensor | None = None  # [n, T, vocab]
+    host_tokens: np.ndarray | None = None  # [n, T] `tokens` on the host, where the proposer has them
+    allowed: torch.Tensor | None = None  # [n, T+1, vocab] bool: the output formats' masks (specdec/grammar.py)
 
     @property
     def depth(self) -> int:
@@ -71,3 +74,7 @@ class Proposer:
 
     def move_row(self, src: int, dst: int) -> None:
         """Row src now lives at dst (swap-remove of a finished row)."""
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst starts as row src is now (a sample of the same prompt: its prefill shared)."""
+        self.move_row(src, dst)

@@ -76,14 +76,20 @@ class DraftModelProposer(Proposer):
         if stop is not None:
             stop.start(n)
         seq_len = b.to_device(lens) if k_max > 1 else None
-        tokens, qs, raws = [], [], []
+        grammar = b.constraints if b.constraints is not None and b.constraints.rows(n) else None
+        tokens, qs, raws, drawn = [], [], [], []
         bad = torch.zeros(n, dtype=torch.bool, device=b.device)  # non-finite draft logits (the row fails)
         for step in range(k_max):
             bad |= ~torch.isfinite(logits).all(-1)
+            if grammar is not None:  # constrained rows draw from their masked logits (q is that distribution)
+                logits = logits.masked_fill(~grammar.draft_mask(n, logits.shape[-1]), float("-inf"))
             # q: the processed distribution each row's token is drawn from (greedy rows: their argmax)
             q = sampling.probs(logits, rows) if not rows.greedy or (stop is not None and stop.needs_probs) else None
             x = sampling.choose(logits, q, None if u is None else u[:, step], rows)
             tokens.append(x)
+            if grammar is not None:  # a host sync per draft step: each row's grammar follows its draft
+                drawn.append(x.tolist())
+                grammar.advance(n, drawn[-1])
             if not rows.greedy:
                 qs.append(q)
             if self.raw_q:
@@ -108,11 +114,15 @@ class DraftModelProposer(Proposer):
                 if not bool(active.any()):
                     break
         k = len(tokens)
+        if grammar is not None:
+            grammar.rollback(n)
         if stop is None:
             lengths = limits_dev if limits_dev is not None else torch.full((n,), k, dtype=torch.int64, device=b.device)
         q_probs = _full_vocab(torch.stack(qs, dim=1), b.vocab_size) if qs else None
         raw_q = _full_vocab(torch.stack(raws, dim=1), b.vocab_size) if raws else None
-        return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, bad=bad, raw_q=raw_q)
+        host = np.array(drawn, dtype=np.int64).T if drawn else None
+        return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, bad=bad, raw_q=raw_q,
+                     host_tokens=host)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         # the draft cache is right up to the last accepted draft token it was fed

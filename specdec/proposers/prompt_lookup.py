@@ -105,8 +105,9 @@ class PromptLookupProposer(Proposer):
         both = b.to_device(host)
         tokens, parent, depth, relaxed = (both[:, 1 + j * t : 1 + (j + 1) * t] for j in range(4))
         branched = self.prefill_top and any(len(r[0]) > (max(r[2]) if r[2] else 0) for r in rows)
-        tree = Tree(parent, depth, max((max(r[2]) for r in rows if r[2]), default=0)) if branched else None
-        return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool())
+        max_depth = max((max(r[2]) for r in rows if r[2]), default=0)
+        tree = Tree(parent, depth, max_depth, host[:, 1 + t : 1 + 2 * t]) if branched else None
+        return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool(), host_tokens=host[:, 1 : 1 + t])
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked
@@ -115,3 +116,7 @@ class PromptLookupProposer(Proposer):
     def move_row(self, src: int, dst: int) -> None:
         for state in (self.pools, self.prompt_len, self.top):
             state[dst] = state[src]
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self.move_row(src, dst)
+        self.pools[dst] = NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)  # its own: rows grow apart

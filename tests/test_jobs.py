@@ -132,6 +132,25 @@ def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_sessio
     assert len(out) == 3 and all(r["generated_tokens"] <= 5 for r in out.values())
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_committed_files_follow_the_umask(tmp_path, umask):
+    """Parts, the manifest and _SUCCESS are created as any file of the user's: 0666 less the umask (a temp file
+    from mkstemp would make them 0600 whatever the umask)."""
+    from workers.storage import LocalStorage
+
+    old = os.umask(umask)
+    try:
+        st = LocalStorage(str(tmp_path / "out"))
+        assert st.put_if_absent("part-00000.parquet", b"rows") is True
+        st.put("_manifest.json", b"{}")
+        st.put("_manifest.json", b"{}")  # replaced, still as the umask says
+    finally:
+        os.umask(old)
+    for name in ("part-00000.parquet", "_manifest.json"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".tmp-")]
+
+
 def test_status(tmp_path, tiny_pair, ray_session, capsys):
     path, _ = config(tmp_path, tiny_pair, rows_of(4))
     assert cli(["status", path]) == 1

@@ -62,11 +62,11 @@ def model_files(folder: Path) -> dict[str, int]:
 
 def no_storage_calls(monkeypatch):
     """From now on every S3 call of this process fails at once (the storage's own fault hook)."""
-    import workers.storage as storage
+    from workers import faults
 
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "get:99,head:99,list:99,put:99")
     monkeypatch.setenv("SPECBATCH_STORAGE_MAX_ATTEMPTS", "1")
-    monkeypatch.setattr(storage, "_faults", None)
+    monkeypatch.setattr(faults, "_storage_left", None)  # read the variable again
 
 
 # ----------------------------------------------------------------------------------------- fetching

@@ -18,9 +18,7 @@ import threading
 
 from specdec.config import TargetSource
 
-from . import logs
-from .faults import fault
-
+from . import faults, logs
 
 
 class RankActor:
@@ -45,7 +43,7 @@ class RankActor:
 
         def before(name: str) -> None:  # test hook: this rank dies mid-shard (its 5th step)
             steps[0] += name == "step"
-            if steps[0] == 5 and fault("RANK_EXIT"):
+            if steps[0] == 5 and faults.once("RANK_EXIT"):
                 os._exit(1)
 
         self.rank.serve(before)

@@ -20,8 +20,7 @@ from pydantic import Field
 from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
 from specdec.stops import cut_at_stop
 
-from . import logs
-from .faults import fault
+from . import faults, logs
 from .fetch import localize
 from .inputs import InputSpec, Shard, read_shard, render_prompt
 from .outputs import OutputSpec, commit_jsonl, parquet_bytes, part_entry
@@ -79,7 +78,7 @@ class GenerationWorker:
 
         logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
-        if fault("EXIT_IN_INIT"):  # test hook: die while loading the models
+        if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
         self.spec = spec = WorkerSpec.model_validate(spec_data)
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
@@ -123,7 +122,7 @@ class GenerationWorker:
     def process(self, shard_data: dict) -> dict:
         t0 = time.perf_counter()
         self._tick()
-        if fault("HANG_ONCE"):  # test hook: a worker that stops making progress
+        if faults.once("HANG_ONCE"):  # test hook: a worker that stops making progress
             while True:
                 time.sleep(60)
         shard = Shard(**shard_data)
@@ -152,7 +151,7 @@ class GenerationWorker:
             engine = self.control_engine() if shard.control else self.engine
             results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
                                                    [params[i] for i in todo])))
-        if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
+        if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         rows = []
         for i, rec in enumerate(records):
@@ -193,7 +192,7 @@ class GenerationWorker:
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
         fails, as an error row."""
         try:
-            inject = int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))  # test hook: batches above N rows OOM
+            inject = faults.oom_rows()  # test hook: batches above N rows run out of memory
             if inject and min(engine.batch_size, len(prompts)) > inject:
                 raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
             return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick, params=params)

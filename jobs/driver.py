@@ -34,27 +34,6 @@ log = logging.getLogger("specbatch")
 MANIFEST_EVERY_S = 10.0
 
 
-def _absolute(spec: JobSpec) -> JobSpec:
-    """Local paths made absolute, so workers in other folders find them."""
-    data = spec.model_dump(mode="json")
-
-    def fix(section: dict, key: str):
-        v = section.get(key)
-        if v and not is_s3(v) and not v.startswith("pypi:") and os.path.exists(v):
-            section[key] = os.path.abspath(v)
-
-    fix(data["input"], "path")
-    if not is_s3(data["output"]["path"]):
-        data["output"]["path"] = os.path.abspath(data["output"]["path"])
-    fix(data["models"]["target"], "path")
-    if data["models"].get("draft"):
-        fix(data["models"]["draft"], "path")
-    head = data["speculation"].get("acceptance_head")
-    if head:
-        fix(head, "path")
-    return JobSpec.model_validate(data)
-
-
 def _models(spec: JobSpec) -> list:
     """(config key, source) of the models the workers load."""
     out = [("models.target.path", spec.models.target)]
@@ -158,7 +137,6 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
 
     from workers.worker import GenerationWorker
 
-    spec = _absolute(spec)
     check_models(spec, cluster=bool(address or os.environ.get("RAY_ADDRESS")))
     storage = open_storage(spec.output.path)
     shards, total = scan(spec.input.path, spec.input.key_column, spec.resources.shard_size)
@@ -187,7 +165,8 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                 raise ConfigError(str(exc)) from None
             raise
     res = spec.resources
-    gpus = spec.gpus_per_worker(ray.cluster_resources().get("GPU", 0))
+    worker = spec.worker_spec(ray.cluster_resources().get("GPU", 0))  # the job's sections, GPUs resolved
+    gpus = worker.resources.gpus_per_worker
     # restarts are unlimited; each call is retried max_retries times when its process dies (see the docstring)
     env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
     env["SPECBATCH_LOG_LEVEL"] = log_level
@@ -198,8 +177,8 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
                    max_concurrency=2, runtime_env={"env_vars": env})
     groups = [_placement(spec, gpus) for _ in range(min(res.num_workers, len(todo)))]  # tensor parallel only
     _wait_for_groups(groups, spec)
-    workers = [actor_cls.options(**options, **({"scheduling_strategy": g} if g else {})).remote(
-        spec.worker_spec(gpus).model_dump(mode="json")) for g in groups]
+    workers = [actor_cls.options(**options, **({"scheduling_strategy": g} if g else {})).remote(worker)
+               for g in groups]
     inflight: dict = {}  # result ref -> (worker, shard)
     try:
         for w in workers:  # fail fast, with the cause, when workers cannot start at all

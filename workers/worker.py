@@ -15,35 +15,16 @@ import socket
 import sys
 import time
 
-from pydantic import Field
-
-from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
+from specdec.config import SampleResult, SamplingParams, SpecConfig
 from specdec.stops import cut_at_stop
 
 from . import faults, logs
 from .fetch import localize
-from .inputs import InputSpec, Shard, read_shard, render_prompt
-from .outputs import OutputSpec, commit_jsonl, parquet_bytes, part_entry
+from .inputs import Shard, read_shard, render_prompt
+from .outputs import commit_jsonl, parquet_bytes, part_entry
 from .requests import interpret, settings
+from .spec import WorkerSpec, models_used
 from .storage import open_storage
-
-class WorkerSpec(Config):
-    """What a worker needs of the job (jobs.spec.JobSpec.worker_spec)."""
-
-    models: ModelsConfig
-    generation: SamplingParams
-    speculation: SpecConfig
-    input: InputSpec
-    output: OutputSpec
-    batch_size: int = Field(ge=1)
-    gpu_memory_fraction: float = Field(gt=0.0, le=1.0)
-    use_gpu: bool
-    # a tensor-parallel target (models.target.tensor_parallel > 1): what each other rank asks Ray for, and how
-    # long the ranks may take to meet
-    cpus_per_rank: float = 1.0
-    gpus_per_rank: float = 0.0
-    group_timeout_s: float = 1800.0
-
 
 def device_name(device) -> str:
     """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
@@ -70,7 +51,7 @@ class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
     hang checks."""
 
-    def __init__(self, spec_data: dict):
+    def __init__(self, spec: WorkerSpec):
         import torch
 
         from specdec.engine import SpecEngine
@@ -80,9 +61,10 @@ class GenerationWorker:
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
-        self.spec = spec = WorkerSpec.model_validate(spec_data)
+        self.spec = spec
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
-        target = localize(spec.models.target)
+        used = models_used(spec.models, spec.speculation)
+        target = localize(used["models.target.path"])
         tp, self.layout = None, None
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
             from .fetch import local_snapshot
@@ -90,13 +72,11 @@ class GenerationWorker:
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
-
-            tp, self.layout = start(target, target.tensor_parallel, spec.use_gpu, spec.cpus_per_rank,
-                                    spec.gpus_per_rank, spec.group_timeout_s)
-        self.pair = load_pair(target, localize(spec.models.draft), device, tp=tp)
+            tp, self.layout = start(target, spec.resources)
+        self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
         self.tokenizer = self.pair.tokenizer
-        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.batch_size,
-                                 gpu_memory_fraction=spec.gpu_memory_fraction)
+        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
+                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction)
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
@@ -183,7 +163,7 @@ class GenerationWorker:
 
             self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
                                        batch_size=self.engine.batch_size,
-                                       gpu_memory_fraction=self.spec.gpu_memory_fraction)
+                                       gpu_memory_fraction=self.spec.resources.gpu_memory_fraction)
         return self._control
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],

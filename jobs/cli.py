@@ -39,7 +39,7 @@ def cmd_run(args) -> int:
     print(f"specbatch: {spec.name}: {summary['rows_committed']}/{summary['rows_total']} rows committed "
           f"({summary['rows_this_run']} this run, {summary['rows_failed_this_run']} failed, "
           f"{summary['rows_from_earlier_runs']} from earlier runs) in {summary['wall_s']:.1f}s; "
-          f"{summary['tokens_per_s']:.1f} tok/s"
+          f"{_rates(summary)}"
           + (f", mean accepted length {mal:.2f}" if mal else "")
           + (f", acceptance rate {rate:.2f}" if rate is not None else "")
           + f" -> {spec.output.path}")
@@ -56,6 +56,17 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(summary))
     return 3 if errors and args.fail_on_row_errors else 0
+
+
+def _rates(figures: dict) -> str:
+    """The two throughput figures as the run's summary and `status` print them (jobs/progress.py says which is
+    which)."""
+    out = []
+    if figures["job_tokens_per_s"] is not None:
+        out.append(f"{figures['job_tokens_per_s']:.1f} tokens/s for the job (wall clock)")
+    if figures["worker_tokens_per_s"] is not None:
+        out.append(f"{figures['worker_tokens_per_s']:.1f} tokens/s per worker (on its parts)")
+    return ", ".join(out)
 
 
 def cmd_status(args) -> int:

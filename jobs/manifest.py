@@ -113,3 +113,8 @@ def error_counts(manifest: dict) -> dict[str, int]:
     for part in manifest["parts"].values():
         total.update(part.get("errors", {}))
     return dict(sorted(total.items()))
+
+
+def rate(tokens: float, seconds: float) -> float | None:
+    """tokens / seconds; None without seconds."""
+    return tokens / seconds if seconds > 0 else None

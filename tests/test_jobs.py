@@ -214,6 +214,27 @@ def test_committed_files_follow_the_umask(tmp_path, umask):
     assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".tmp-")]
 
 
+def test_a_run_under_a_umask_writes_files_others_may_read(tmp_path, tiny_pair):
+    """`specbatch run` in a process whose umask is 027 (its embedded Ray and workers inherit it): every file it
+    commits is 0640, group-readable, as the user's other files are; and its summary names both throughputs."""
+    import subprocess
+    import sys
+
+    path, _ = config(tmp_path, tiny_pair, rows_of(4), resources__num_workers=1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.umask(0o027))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"part-00000.parquet", "part-00001.parquet", "_manifest.json", "_SUCCESS"}
+    assert any(p.parent.name == "_logs" for p in files)  # the workers' own log files too
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o640 for p in files}
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["generated_tokens"] > 0 and summary["worker_tokens_per_s"] > summary["job_tokens_per_s"] > 0
+    assert "tokens/s for the job (wall clock)" in proc.stdout and "tokens/s per worker (on its parts)" in proc.stdout
+
+
 def test_status(tmp_path, tiny_pair, ray_session, capsys):
     path, _ = config(tmp_path, tiny_pair, rows_of(4))
     assert cli(["status", path]) == 1

@@ -114,7 +114,10 @@ def test_report_page_renders_in_chromium(job):
     assert "Generation cost report" in dom and "<table>" in dom
 
 
-def test_report_cli_on_a_missing_output(tmp_path):
+def test_report_cli_on_a_missing_output(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "report", str(tmp_path / "nothing"), "--out",
                            str(tmp_path / "r")], capture_output=True, text=True)
     assert proc.returncode == 1 and "no job output here" in proc.stderr
+    # estimate reads the output the same way, and says the same (it raised a traceback before)
+    assert cli(["estimate", str(tmp_path / "nothing"), "--profile", str(tmp_path / "p.json")]) == 1
+    assert "no job output here" in capsys.readouterr().err

@@ -71,7 +71,8 @@ def _rates(figures: dict) -> str:
 
 def cmd_status(args) -> int:
     """Show how far a job's output is (parts and rows committed, failed rows by reason, whether it finished) and
-    what its rows cost (tokens in and out, acceptance, tokens per target call), from its manifest."""
+    what its rows cost (tokens in and out, acceptance, tokens per target call, tokens/s for the job and per
+    worker), from its manifest."""
     target = args.target
     path = (load_spec(target, date=args.date).output.path if target.endswith((".yaml", ".yml"))
             else resolve_output_path(target, args.date))

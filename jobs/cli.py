@@ -21,7 +21,7 @@ from workers.outputs import COUNTS
 from workers.storage import StorageError, open_storage
 
 from .driver import run_job
-from .manifest import MANIFEST, SUCCESS, JobError, error_counts
+from .manifest import MANIFEST, SUCCESS, JobError, OutputError, error_counts, throughput
 from .spec import DATE_ENV, ConfigError, config_reference, load_spec, resolve_output_path
 
 DATE_HELP = (f"the date {{date}} in output.path stands for (YYYY-MM-DD; default: ${DATE_ENV}, else today in UTC), "
@@ -39,7 +39,7 @@ def cmd_run(args) -> int:
     print(f"specbatch: {spec.name}: {summary['rows_committed']}/{summary['rows_total']} rows committed "
           f"({summary['rows_this_run']} this run, {summary['rows_failed_this_run']} failed, "
           f"{summary['rows_from_earlier_runs']} from earlier runs) in {summary['wall_s']:.1f}s; "
-          f"{summary['tokens_per_s']:.1f} tok/s"
+          f"{_rates(summary)}"
           + (f", mean accepted length {mal:.2f}" if mal else "")
           + (f", acceptance rate {rate:.2f}" if rate is not None else "")
           + f" -> {spec.output.path}")
@@ -58,9 +58,21 @@ def cmd_run(args) -> int:
     return 3 if errors and args.fail_on_row_errors else 0
 
 
+def _rates(figures: dict) -> str:
+    """The two throughput figures as the run's summary and `status` print them (jobs/progress.py says which is
+    which)."""
+    out = []
+    if figures["job_tokens_per_s"] is not None:
+        out.append(f"{figures['job_tokens_per_s']:.1f} tokens/s for the job (wall clock)")
+    if figures["worker_tokens_per_s"] is not None:
+        out.append(f"{figures['worker_tokens_per_s']:.1f} tokens/s per worker (on its parts)")
+    return ", ".join(out)
+
+
 def cmd_status(args) -> int:
     """Show how far a job's output is (parts and rows committed, failed rows by reason, whether it finished) and
-    what its rows cost (tokens in and out, acceptance, tokens per target call), from its manifest."""
+    what its rows cost (tokens in and out, acceptance, tokens per target call, tokens/s for the job and per
+    worker), from its manifest."""
     target = args.target
     path = (load_spec(target, date=args.date).output.path if target.endswith((".yaml", ".yml"))
             else resolve_output_path(target, args.date))
@@ -78,7 +90,8 @@ def cmd_status(args) -> int:
               "rows_committed": sum(e["rows"] for e in entries), "rows_total": m["input"]["rows"],
               "rows_failed": sum(errors.values()), "errors_by_reason": errors, **counts,
               "acceptance_rate": counts["accepted_tokens"] / counts["drafted_tokens"] if counts["drafted_tokens"] else None,
-              "tokens_per_target_call": counts["generated_tokens"] / counts["rounds"] if counts["rounds"] else None}
+              "tokens_per_target_call": counts["generated_tokens"] / counts["rounds"] if counts["rounds"] else None,
+              "wall_s": m.get("wall_s", 0.0), **throughput(entries, m.get("wall_s", 0.0))}
     if args.json:
         print(json.dumps(status))
         return 0
@@ -91,6 +104,8 @@ def cmd_status(args) -> int:
         figures.append(f"{s['tokens_per_target_call']:.2f} tokens per target call")
     if s["acceptance_rate"] is not None:
         figures.append(f"acceptance {s['acceptance_rate']:.1%}")
+    if _rates(s):
+        figures.append(_rates(s))
     print("  " + "; ".join(figures) + " (rows without errors)")
     return 0
 
@@ -98,15 +113,11 @@ def cmd_status(args) -> int:
 def cmd_report(args) -> int:
     """Write a cost report of a job's output (local or S3): report.md, a self-contained report.html, report.json
     and PNG plots in --out."""
-    from .report import Prices, ReportError, write
+    from .report import Prices, write
 
     baseline = resolve_output_path(args.baseline, args.date) if args.baseline else None
-    try:
-        figures = write(resolve_output_path(args.output, args.date), args.out,
-                        Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price), baseline)
-    except ReportError as exc:
-        print(f"specbatch: error: {exc}", file=sys.stderr)
-        return 1
+    figures = write(resolve_output_path(args.output, args.date), args.out,
+                    Prices.load(args.prices, args.gpu_hour_price, args.cpu_hour_price), baseline)
     cost = figures["usd_per_million_tokens"]
     print(f"specbatch: report written to {args.out}/report.html ({figures['generated_tokens']:,} tokens"
           + (f", ${cost:.4f} per 1M output tokens" if cost is not None else "")
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specbatch: {exc}", file=sys.stderr)
         return 2
-    except (InputError, JobError, StorageError) as exc:
+    except (InputError, JobError, OutputError, StorageError) as exc:
         print(f"specbatch: error: {exc}", file=sys.stderr)
         return 1
 

@@ -14,16 +14,11 @@ over its width; an admission costs its prefill. Policies:
 
 from __future__ import annotations
 
-import io
-import json
-
 import numpy as np
-import pyarrow.parquet as pq
 
 from specdec.costmodel import Profile, best_length, bucket, expected_tokens
-from workers.storage import open_storage
 
-from .manifest import MANIFEST
+from .manifest import read_output
 
 
 def profile_job(spec, out_path: str) -> Profile:
@@ -61,18 +56,8 @@ def profile_job(spec, out_path: str) -> Profile:
 
 def job_rows(path: str) -> tuple[list[dict], dict]:
     """The good rows of a job's output (prompt and output lengths, per-round lists) and its manifest."""
-    st = open_storage(path)
-    raw = st.read_bytes(MANIFEST)
-    if raw is None:
-        raise ValueError(f"{path}: no job output here")
-    manifest = json.loads(raw)
-    cols = ["error", "prompt_tokens", "generated_tokens", "draft_lengths", "accept_lengths"]
-    rows = []
-    for name in sorted(n for n in st.list("part-") if n.endswith(".parquet")):
-        # no Arrow thread pool: its threads can abort a short-lived process at exit (apache/arrow#34314)
-        t = pq.read_table(io.BytesIO(st.read_bytes(name)), columns=cols, use_threads=False).to_pylist()
-        rows += [r for r in t if not r["error"]]
-    return rows, manifest
+    out = read_output(path, ["prompt_tokens", "generated_tokens", "draft_lengths", "accept_lengths"])
+    return [r for r in out.rows() if not r["error"]], out.manifest
 
 
 def rate_of(row: dict) -> float:

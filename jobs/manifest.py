@@ -1,5 +1,5 @@
 """A job's output folder and its manifest (`_manifest.json`): what a run finds there, what it refuses, what a
-part's entry holds.
+part's entry holds, and what `status`, `report` and `estimate` read back (`read_output`, `throughput`).
 
 The manifest holds the config and its fingerprint, the input files (path, size, ETag or mtime) and one
 entry per committed part. A run against an existing output resumes it when both the config's output
@@ -9,12 +9,17 @@ keys and the input files are unchanged, and is refused otherwise (naming the key
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
+
+import pyarrow.parquet as pq
 
 from workers.inputs import Shard
 from workers.outputs import COUNTS, OPENAI_DIR, part_entry
+from workers.storage import open_storage
 
 from .spec import JobSpec, changed_keys
 
@@ -23,6 +28,10 @@ MANIFEST, SUCCESS = "_manifest.json", "_SUCCESS"
 
 class JobError(RuntimeError):
     """The job cannot go on (conflicting output, a shard out of retries, workers that cannot start)."""
+
+
+class OutputError(ValueError):
+    """A path holds no job output to read (no manifest, no committed parts)."""
 
 
 def _clear(storage) -> None:
@@ -113,3 +122,54 @@ def error_counts(manifest: dict) -> dict[str, int]:
     for part in manifest["parts"].values():
         total.update(part.get("errors", {}))
     return dict(sorted(total.items()))
+
+
+def rate(tokens: float, seconds: float) -> float | None:
+    """tokens / seconds; None without seconds."""
+    return tokens / seconds if seconds > 0 else None
+
+
+def throughput(parts: list[dict], wall_s: float) -> dict[str, float | None]:
+    """The job's two throughput figures from its parts' manifest entries and its recorded wall time (every
+    run's, a killed run's up to its last manifest update): `job_tokens_per_s`, output tokens per second of wall
+    clock; `worker_tokens_per_s`, output tokens per second workers spent on the parts that record it."""
+    timed = [p for p in parts if "wall_s" in p]
+    return {"job_tokens_per_s": rate(sum(p.get("generated_tokens", 0) for p in parts), wall_s),
+            "worker_tokens_per_s": rate(sum(p.get("generated_tokens", 0) for p in timed),
+                                        sum(p["wall_s"] for p in timed))}
+
+
+@dataclass
+class Output:
+    """A job's output as it stands: its manifest, its committed parts (listed, and entered in the manifest) in
+    order, and their rows as columns (`None` for a column an older part lacks)."""
+
+    manifest: dict
+    parts: list[str]
+    columns: dict[str, list]
+
+    def rows(self) -> list[dict]:
+        names = list(self.columns)
+        return [dict(zip(names, values)) for values in zip(*self.columns.values())]
+
+
+def read_output(path: str, columns: list[str]) -> Output:
+    """Read a job's output (local or S3) for `status`, `report` and `estimate`: `columns` of every row of its
+    committed parts, `error` always among them. Raises OutputError where there is none."""
+    st = open_storage(path)
+    raw = st.read_bytes(MANIFEST)
+    if raw is None:
+        raise OutputError(f"{path}: no job output here ({MANIFEST} is missing)")
+    manifest = json.loads(raw)
+    parts = sorted(n for n in st.list("part-") if n.endswith(".parquet") and n in manifest["parts"])
+    if not parts:
+        raise OutputError(f"{path}: no committed parts yet")
+    columns = list(dict.fromkeys(["error", *columns]))
+    out: dict[str, list] = {c: [] for c in columns}
+    for name in parts:
+        # no Arrow thread pool: its threads can abort a short-lived process at exit (apache/arrow#34314)
+        part = pq.ParquetFile(io.BytesIO(st.read_bytes(name)))
+        table = part.read([c for c in columns if c in part.schema_arrow.names], use_threads=False)
+        for c in columns:
+            out[c] += table.column(c).to_pylist() if c in table.column_names else [None] * table.num_rows
+    return Output(manifest, parts, out)

@@ -1,12 +1,15 @@
 """The job config: the YAML of ARCHITECTURE.md as pydantic models. Its `models`, `generation` and
-`speculation` sections are the engine's own config types (specdec/config.py), `input` the worker's
-(workers/inputs.py); this module adds the job's name, output and resources. Unknown keys are refused,
-naming the key; `--set dotted.key=value` overrides are applied before validation.
+`speculation` sections are the engine's own config types (specdec/config.py), `input`, `output` and
+`resources` the workers' (workers/spec.py); this module adds the job's name, and hands a worker those
+sections as they are (`JobSpec.worker_spec`). Unknown keys are refused, naming the key and the nearest
+valid one; `--set dotted.key=value` overrides are applied before validation. Output-neutral keys are
+the fields marked so where they are declared (`OUTPUT_NEUTRAL`).
 """
 
 from __future__ import annotations
 
 import datetime
+import difflib
 import hashlib
 import json
 import os
@@ -21,12 +24,8 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_va
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
 from workers.inputs import InputSpec
 from workers.outputs import OutputSpec
-from workers.worker import WorkerSpec
-
-# keys that change how fast a job runs, not what it writes: changing them keeps an output resumable
-OUTPUT_NEUTRAL = ("name", "resources.num_workers", "resources.gpus_per_worker", "resources.cpus_per_worker",
-                  "resources.batch_size", "resources.max_retries", "resources.gpu_memory_fraction",
-                  "resources.shard_timeout_s", "speculation.verify_padding")
+from workers.spec import NEUTRAL, ResourcesSpec, WorkerSpec
+from workers.storage import is_s3
 
 
 class ConfigError(ValueError):
@@ -64,25 +63,8 @@ def resolve_output_path(path: str, date: str | None = None) -> str:
     return out
 
 
-class ResourcesSpec(Config):
-    num_workers: int = Field(1, ge=1, description="worker actors")
-    gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (a worker with one runs on "
-                                          "it); null: 1 where the Ray cluster has GPUs, else 0")
-    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per worker")
-    batch_size: int = Field(16, ge=1, description="rows decoded together by a worker (continuous batching)")
-    gpu_memory_fraction: float = Field(
-        0.9, gt=0.0, le=1.0, description="share of a worker's GPU its weights, KV caches and steps may use: a batch "
-        "that does not fit runs with fewer rows, a prompt that cannot fit one row becomes an error row, a config "
-        "that cannot fit one row of `max_new_tokens` stops the worker at start, with the figures")
-    shard_size: int = Field(256, ge=1, description="rows per part")
-    max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
-                                                    "worker and runs the shard again)")
-    shard_timeout_s: float | None = Field(1800.0, gt=0, description="a worker that makes no progress (no tokens) "
-                                          "for this long is killed and its shard retried; null: never")
-
-
 class JobSpec(Config):
-    name: str = Field(description="job name (in the manifest)")
+    name: str = Field(description="job name (in the manifest)", json_schema_extra=NEUTRAL)
     input: InputSpec = Field(description="the rows")
     output: OutputSpec = Field(description="where parts go")
     models: ModelsConfig = Field(description="the pair")
@@ -92,13 +74,19 @@ class JobSpec(Config):
 
     @model_validator(mode="before")
     @classmethod
-    def _dated_output(cls, data: Any, info: ValidationInfo) -> Any:
+    def _resolved_paths(cls, data: Any, info: ValidationInfo) -> Any:
         """`{date}` in output.path becomes the run's date (the validation context's `date`, else $SPECBATCH_DATE,
-        else today, UTC): the spec, its fingerprint and the manifest hold the resolved path."""
-        out = data.get("output") if isinstance(data, dict) else None
-        if isinstance(out, dict) and isinstance(out.get("path"), str):
-            date = (info.context or {}).get("date")
-            data = {**data, "output": {**out, "path": resolve_output_path(out["path"], date)}}
+        else today, UTC); local paths become absolute, so that workers started in other folders find them: the
+        output folder always, the input, models and acceptance head where they exist here (elsewhere the path
+        may be a Hub id, or a folder of the cluster's nodes). The spec, its fingerprint and the manifest hold
+        the resolved paths."""
+        if not isinstance(data, dict):
+            return data
+        date = (info.context or {}).get("date")
+        data = _edit(data, ("output", "path"), lambda p: _absolute(resolve_output_path(p, date), always=True))
+        for keys in (("input", "path"), ("models", "target", "path"), ("models", "draft", "path"),
+                     ("speculation", "acceptance_head", "path")):
+            data = _edit(data, keys, _absolute)
         return data
 
     @model_validator(mode="after")
@@ -109,20 +97,12 @@ class JobSpec(Config):
             raise ValueError("input needs prompt_column or messages_column")
         return self
 
-    def gpus_per_worker(self, cluster_gpus: float) -> float:
-        """GPUs each worker asks Ray for: as set, else one where the cluster has any."""
-        gpus = self.resources.gpus_per_worker
-        return gpus if gpus is not None else (1.0 if cluster_gpus >= 1 else 0.0)
-
-    def worker_spec(self, gpus: float = 0.0) -> WorkerSpec:
-        models = self.models
-        if self.speculation.method != "draft_model":
-            models = models.model_copy(update={"draft": None})  # no second model to load
-        return WorkerSpec(models=models, generation=self.generation, speculation=self.speculation, input=self.input,
-                          output=self.output, batch_size=self.resources.batch_size,
-                          gpu_memory_fraction=self.resources.gpu_memory_fraction,
-                          use_gpu=gpus > 0, cpus_per_rank=self.resources.cpus_per_worker, gpus_per_rank=gpus,
-                          group_timeout_s=self.resources.shard_timeout_s or 1800.0)
+    def worker_spec(self, cluster_gpus: float) -> WorkerSpec:
+        """The sections a worker runs by, these very objects, with `resources.gpus_per_worker` resolved against
+        the cluster's GPUs (`ResourcesSpec.gpus`)."""
+        resources = self.resources.model_copy(update={"gpus_per_worker": self.resources.gpus(cluster_gpus)})
+        return WorkerSpec(**{k: getattr(self, k) for k in WorkerSpec.model_fields if k != "resources"},
+                          resources=resources)
 
     def fingerprint(self) -> str:
         """Hash of everything that changes output rows (not the OUTPUT_NEUTRAL keys)."""
@@ -131,9 +111,42 @@ class JobSpec(Config):
             *path, last = key.split(".")
             node = data
             for k in path:
-                node = node[k]
-            node.pop(last, None)
+                node = node.get(k) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(last, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _edit(tree: dict, keys: tuple[str, ...], fn) -> dict:
+    """`tree` with the string at `keys` replaced by fn(it), copied along the way (the caller's dicts are left
+    alone); `tree` itself where there is no string there."""
+    head, *rest = keys
+    value = tree.get(head)
+    if rest:
+        new = _edit(value, tuple(rest), fn) if isinstance(value, dict) else value
+    else:
+        new = fn(value) if isinstance(value, str) else value
+    return tree if new is value else {**tree, head: new}
+
+
+def _absolute(path: str, always: bool = False) -> str:
+    """A local path made absolute where it exists here (or `always`); `s3://` and `pypi:` paths as they are."""
+    if is_s3(path) or path.startswith("pypi:") or not (always or os.path.exists(path)):
+        return path
+    return os.path.abspath(path)
+
+
+def _output_neutral(model: type[BaseModel], prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of `model`'s fields marked output-neutral where they are declared (`NEUTRAL`)."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("output_neutral"):
+            out.append(prefix + name)
+        sub = _section(field.annotation)
+        if sub is not None:
+            out += _output_neutral(sub, f"{prefix}{name}.")
+    return tuple(out)
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -160,13 +173,29 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def _unknown_key(loc: tuple) -> str:
+    """"unknown key", and the key of that section nearest to it (what a typo meant), else the section's keys."""
+    model: type[BaseModel] | None = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = _section(field.annotation) if field is not None else None
+        if model is None:
+            return "unknown key"
+    keys = list(model.model_fields)
+    section = ".".join(str(p) for p in loc[:-1])
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if near:
+        return f"unknown key (did you mean {section + '.' if section else ''}{near[0]}?)"
+    return f"unknown key ({section or 'the config'} has: {', '.join(keys)})"
+
+
 def _format(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = _unknown_key(e["loc"])
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         lines.append(f"{key}: {msg}" if key else msg)
@@ -234,3 +263,8 @@ def config_reference(model: type[BaseModel] = JobSpec, prefix: str = "") -> list
         if sub is not None:
             rows += config_reference(sub, key + ".")
     return rows
+
+
+# keys that change how fast a job runs, not what it writes (marked where declared): changing them keeps an
+# output resumable
+OUTPUT_NEUTRAL = _output_neutral(JobSpec)

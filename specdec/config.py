@@ -177,7 +177,8 @@ class SpecConfig(Config):
     # stays lossless because verification uses exactly the q the draft sampled from
     draft_vocab: int = Field(0, ge=0, description="the draft scores only its first N token ids (0 = all); lossless")
     verify_padding: bool = Field(True, description="verify over a wider window when that width was measured "
-                                                   "cheaper (never changes output)")
+                                                   "cheaper (never changes output)",
+                                 json_schema_extra={"output_neutral": True})
     prompt_lookup: PromptLookupConfig = Field(PromptLookupConfig(), description="`{max_ngram, min_ngram, "
                                               "alignment_sampling}` of `prompt_lookup`")
     fuzzy: FuzzyConfig | None = Field(None, description="`{divergence, threshold}` of `verification: fuzzy`")

@@ -158,14 +158,15 @@ def test_out_of_memory_splits_the_batch_before_failing_a_row(tmp_path, tiny_pair
 
 def test_transient_local_storage_errors_are_retried(tmp_path, tiny_pair, reference, ray_session, monkeypatch):
     import workers.storage as storage
+    from workers import faults
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:3,get:2")
-    monkeypatch.setattr(storage, "_faults", None)
+    monkeypatch.setattr(faults, "_storage_left", None)
     st = storage.open_storage(str(tmp_path / "flaky"))
     assert st.put_if_absent("p", b"data") is True and st.read_bytes("p") == b"data"
-    assert storage._faults.left == {"put": 0, "get": 0}  # every injected fault was hit and survived
+    assert faults.storage_left() == {"put": 0, "get": 0}  # every injected fault was hit and survived
     monkeypatch.setenv("SPECBATCH_STORAGE_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:5")
-    monkeypatch.setattr(storage, "_faults", None)
+    monkeypatch.setattr(faults, "_storage_left", None)
     with pytest.raises(storage.StorageError, match="injected fault"):
         st.put("q", b"x")
     monkeypatch.delenv("SPECBATCH_STORAGE_MAX_ATTEMPTS")

@@ -97,18 +97,81 @@ def test_config_errors_name_the_key(tmp_path, tiny_pair, capsys):
     spec = load_spec(path, ["generation.max_new_tokens=5", "resources.num_workers=1"])
     assert spec.generation.max_new_tokens == 5 and spec.resources.num_workers == 1
     assert cli(["run", path, "--set", "input.bogus=1"]) == 2
-    assert "input.bogus: unknown key" in capsys.readouterr().err
+    assert "input.bogus: unknown key (input has: path, id_column, prompt_column" in capsys.readouterr().err
+
+
+def test_a_typo_names_the_key_meant(tmp_path, tiny_pair, capsys):
+    """An unknown key names the nearest key of its section, in the YAML as under --set, at any depth."""
+    path, cfg = config(tmp_path, tiny_pair, rows_of(2))
+    with pytest.raises(ConfigError, match=r"generation\.max_new_token: unknown key \(did you mean "
+                                          r"generation\.max_new_tokens\?\)"):
+        load_spec(path, ["generation.max_new_token=5"])
+    with pytest.raises(ConfigError, match=r"models\.draft\.dtpye: unknown key \(did you mean models\.draft\.dtype\?\)"):
+        parse_spec({**cfg, "models": {**cfg["models"], "draft": {**cfg["models"]["draft"], "dtpye": "float32"}}})
+    with pytest.raises(ConfigError, match=r"generatoin: unknown key \(did you mean generation\?\)"):
+        parse_spec({**cfg, "generatoin": {"seed": 1}})
+    assert cli(["run", path, "--set", "resources.shard_timeout=60"]) == 2
+    assert "resources.shard_timeout: unknown key (did you mean resources.shard_timeout_s?)" in capsys.readouterr().err
+
+
+def test_a_worker_gets_the_jobs_sections_whole(tmp_path, tiny_pair):
+    """The worker's spec is the job's own section objects (no copy, no rename), with the GPUs it asks for resolved
+    against the cluster; the tensor-parallel group's timeout is its own key, not a stand-in for a null."""
+    import pickle
+
+    from jobs.spec import JobSpec
+    from workers.spec import WorkerSpec
+
+    path, _ = config(tmp_path, tiny_pair, rows_of(2))
+    spec = load_spec(path, ["resources.batch_size=3", "resources.shard_timeout_s=null"])
+    worker = spec.worker_spec(cluster_gpus=0)
+    for name, field in WorkerSpec.model_fields.items():
+        assert JobSpec.model_fields[name].annotation == field.annotation, name
+        if name != "resources":
+            assert getattr(worker, name) is getattr(spec, name), name
+    same = {"exclude": {"gpus_per_worker"}}
+    assert worker.resources.model_dump(**same) == spec.resources.model_dump(**same)
+    assert spec.resources.gpus_per_worker is None and worker.resources.gpus_per_worker == 0 and not worker.use_gpu
+    assert spec.worker_spec(cluster_gpus=4).resources.gpus_per_worker == 1
+    assert load_spec(path, ["resources.gpus_per_worker=0.5"]).worker_spec(4).resources.gpus_per_worker == 0.5
+    assert worker.resources.shard_timeout_s is None and worker.resources.group_timeout_s == 1800
+    assert load_spec(path, ["resources.group_timeout_s=90"]).worker_spec(0).resources.group_timeout_s == 90
+    assert pickle.loads(pickle.dumps(worker)) == worker  # what Ray sends the actor
+    with pytest.raises(ValueError, match="gpus_per_worker resolved"):
+        WorkerSpec(**{k: getattr(spec, k) for k in WorkerSpec.model_fields})
+
+
+def test_local_paths_become_absolute_as_the_config_is_read(tmp_path, tiny_pair, monkeypatch):
+    """Workers run in other folders: local paths are made absolute by the config's own validation (output always;
+    input, models and head where they exist here), while s3://, pypi: and Hub ids stay as written."""
+    path, cfg = config(tmp_path, tiny_pair, rows_of(2))
+    (tmp_path / "head").mkdir()
+    monkeypatch.chdir(tmp_path)
+    data = {**cfg, "input": {**cfg["input"], "path": "in.jsonl"}, "output": {"path": "out/{date}"},
+            "models": {"target": {"path": "org/hub-model"}, "draft": {"path": "pypi:llm-x==1"}},
+            "speculation": {**cfg["speculation"], "draft_length": "acceptance_head",
+                            "acceptance_head": {"path": "head"}}}
+    before = json.dumps(data)
+    spec = parse_spec(data, date="2001-02-03")
+    assert json.dumps(data) == before  # the caller's dict is left as it was
+    assert spec.input.path == str(tmp_path / "in.jsonl")
+    assert spec.output.path == str(tmp_path / "out" / "2001-02-03")
+    assert spec.speculation.acceptance_head.path == str(tmp_path / "head")
+    assert spec.models.target.path == "org/hub-model" and spec.models.draft.path == "pypi:llm-x==1"
+    s3 = parse_spec({**data, "input": {**data["input"], "path": "s3://b/in/"}, "output": {"path": "s3://b/out/"}})
+    assert (s3.input.path, s3.output.path) == ("s3://b/in/", "s3://b/out/")
 
 
 def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
-    """Speed settings (jobs.spec.OUTPUT_NEUTRAL, one list) may change between runs of a job; anything else
-    that changes output rows changes the fingerprint and is named."""
+    """Speed settings (marked output-neutral where they are declared: jobs.spec.OUTPUT_NEUTRAL) may change
+    between runs of a job; anything else that changes output rows changes the fingerprint and is named."""
     from jobs.spec import OUTPUT_NEUTRAL, changed_keys
     path, cfg = config(tmp_path, tiny_pair, rows_of(2))
     base = load_spec(path)
     other = {"name": "'renamed'", "resources.num_workers": 3, "resources.gpus_per_worker": 1,
              "resources.cpus_per_worker": 2, "resources.batch_size": 7, "resources.max_retries": 9,
-             "resources.gpu_memory_fraction": 0.5, "resources.shard_timeout_s": 60, "speculation.verify_padding": "false"}
+             "resources.gpu_memory_fraction": 0.5, "resources.shard_timeout_s": 60,
+             "resources.group_timeout_s": 90, "speculation.verify_padding": "false"}
     assert set(other) == set(OUTPUT_NEUTRAL)
     for key, value in other.items():
         changed = load_spec(path, [f"{key}={value}"])
@@ -130,6 +193,46 @@ def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_sessio
     run_job(load_spec(path, ["generation.max_new_tokens=5"]), overwrite=True, progress=False)
     out, _ = read_out(tmp_path / "out")
     assert len(out) == 3 and all(r["generated_tokens"] <= 5 for r in out.values())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_committed_files_follow_the_umask(tmp_path, umask):
+    """Parts, the manifest and _SUCCESS are created as any file of the user's: 0666 less the umask (a temp file
+    from mkstemp would make them 0600 whatever the umask)."""
+    from workers.storage import LocalStorage
+
+    old = os.umask(umask)
+    try:
+        st = LocalStorage(str(tmp_path / "out"))
+        assert st.put_if_absent("part-00000.parquet", b"rows") is True
+        st.put("_manifest.json", b"{}")
+        st.put("_manifest.json", b"{}")  # replaced, still as the umask says
+    finally:
+        os.umask(old)
+    for name in ("part-00000.parquet", "_manifest.json"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith(".tmp-")]
+
+
+def test_a_run_under_a_umask_writes_files_others_may_read(tmp_path, tiny_pair):
+    """`specbatch run` in a process whose umask is 027 (its embedded Ray and workers inherit it): every file it
+    commits is 0640, group-readable, as the user's other files are; and its summary names both throughputs."""
+    import subprocess
+    import sys
+
+    path, _ = config(tmp_path, tiny_pair, rows_of(4), resources__num_workers=1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", path, "--no-progress", "--json"], env=env,
+                          capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.umask(0o027))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"part-00000.parquet", "part-00001.parquet", "_manifest.json", "_SUCCESS"}
+    assert any(p.parent.name == "_logs" for p in files)  # the workers' own log files too
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o640 for p in files}
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["generated_tokens"] > 0 and summary["worker_tokens_per_s"] > summary["job_tokens_per_s"] > 0
+    assert "tokens/s for the job (wall clock)" in proc.stdout and "tokens/s per worker (on its parts)" in proc.stdout
 
 
 def test_status(tmp_path, tiny_pair, ray_session, capsys):

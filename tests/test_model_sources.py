@@ -62,11 +62,11 @@ def model_files(folder: Path) -> dict[str, int]:
 
 def no_storage_calls(monkeypatch):
     """From now on every S3 call of this process fails at once (the storage's own fault hook)."""
-    import workers.storage as storage
+    from workers import faults
 
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "get:99,head:99,list:99,put:99")
     monkeypatch.setenv("SPECBATCH_STORAGE_MAX_ATTEMPTS", "1")
-    monkeypatch.setattr(storage, "_faults", None)
+    monkeypatch.setattr(faults, "_storage_left", None)  # read the variable again
 
 
 # ----------------------------------------------------------------------------------------- fetching
@@ -233,7 +233,7 @@ def test_hub_ids_are_recognised_and_passed_through(tmp_path, tiny_pair, monkeypa
     the same shape wins; nothing logs HF_TOKEN."""
     import logging
 
-    from jobs.driver import _absolute, check_models
+    from jobs.driver import check_models
     from jobs.spec import parse_spec
     from specdec.config import TargetSource
     from workers import logs
@@ -257,10 +257,10 @@ def test_hub_ids_are_recognised_and_passed_through(tmp_path, tiny_pair, monkeypa
     assert localize(TargetSource(path=hub)).path == hub
     cfg = {"name": "t", "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out")},
            "models": {"target": {"path": hub}, "draft": {"path": "s3://bucket/models/draft/"}}}
-    spec = _absolute(parse_spec(cfg))
+    spec = parse_spec(cfg)  # local paths are made absolute as the config is read
     assert spec.models.target.path == hub and spec.models.draft.path == "s3://bucket/models/draft/"
     check_models(spec)  # neither is refused
-    local = _absolute(parse_spec({**cfg, "models": {**cfg["models"], "target": {"path": "meta-llama/Local-Model"}}}))
+    local = parse_spec({**cfg, "models": {**cfg["models"], "target": {"path": "meta-llama/Local-Model"}}})
     assert local.models.target.path == str(tmp_path / "meta-llama" / "Local-Model")
     assert local_snapshot(tiny_pair["target"]) == tiny_pair["target"]  # not a Hub id: the folder itself
     logging.getLogger("specbatch").warning("loading %s with token %s", hub, token)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from job_helpers import config, read_out, rows_of
+from jobs.cli import main as cli
 from jobs.driver import is_control, run_job
 from jobs.report import Prices, write
 from jobs.spec import load_spec
@@ -22,9 +23,9 @@ def job(tmp_path_factory, tiny_pair, ray_session):
     tmp = tmp_path_factory.mktemp("report")
     path, _ = config(tmp, tiny_pair, rows_of(16), speculation__control_fraction=0.5, speculation__draft_length="fixed",
                      resources__shard_size=2)
-    run_job(load_spec(path), progress=False)
+    summary = run_job(load_spec(path), progress=False)
     figures = write(str(tmp / "out"), str(tmp / "report"), Prices.load(None, cpu=0.10))
-    return tmp, figures
+    return tmp, figures, summary
 
 
 def test_control_shards_are_evenly_spaced_and_stable():
@@ -34,7 +35,7 @@ def test_control_shards_are_evenly_spaced_and_stable():
 
 
 def test_report_figures_are_the_parts_own(job):
-    tmp, figures = job
+    tmp, figures, _ = job
     rows, _ = read_out(tmp / "out")
     manifest = json.loads((tmp / "out" / "_manifest.json").read_text())
     control = [r for r in rows.values() if r["control"]]
@@ -57,8 +58,46 @@ def test_report_figures_are_the_parts_own(job):
     assert manifest["wall_s"] > 0
 
 
+def test_throughput_has_one_name_in_summary_status_and_report(job, capsys):
+    """job_tokens_per_s: output tokens per second of the job's wall clock; worker_tokens_per_s: per second a worker
+    spent on its parts. The run's summary, `status --json` and report.json name them alike and agree."""
+    tmp, figures, summary = job
+    manifest = json.loads((tmp / "out" / "_manifest.json").read_text())
+    parts = manifest["parts"].values()
+    tokens, worker_s = sum(p["generated_tokens"] for p in parts), sum(p["wall_s"] for p in parts)
+    assert summary["generated_tokens"] == tokens and "tokens_per_s" not in summary
+    assert summary["worker_tokens_per_s"] == pytest.approx(tokens / worker_s)
+    assert summary["job_tokens_per_s"] == pytest.approx(tokens / summary["wall_s"])
+    assert summary["wall_s"] >= manifest["wall_s"] > 0  # one run: the job's wall time, read after it was saved
+    assert summary["job_tokens_per_s"] <= 2 * summary["worker_tokens_per_s"]  # 2 workers, each busy at most all along
+    assert cli(["status", str(tmp / "out"), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    for figures_of in (status, figures):
+        assert figures_of["worker_tokens_per_s"] == pytest.approx(tokens / worker_s)
+        assert figures_of["job_tokens_per_s"] == pytest.approx(tokens / manifest["wall_s"])
+    assert cli(["status", str(tmp / "out")]) == 0
+    text = capsys.readouterr().out
+    assert f"{tokens / manifest['wall_s']:.1f} tokens/s for the job" in text
+    assert f"{tokens / worker_s:.1f} tokens/s per worker" in text
+
+
+def test_report_plots_throughput_cost_and_worker_hours(job, tmp_path):
+    """The plots the README promises are written and shown: by part, tokens/s per worker and $ per 1M output
+    tokens; worker-hours by device; acceptance. Without a price there is no cost plot."""
+    tmp, _, _ = job
+    pngs = {"throughput.png", "cost.png", "worker_hours.png", "accept_lengths.png", "acceptance_by_position.png",
+            "draft_lengths.png"}
+    assert {p.name for p in (tmp / "report").glob("*.png")} == pngs
+    md = (tmp / "report" / "report.md").read_text()
+    assert all(f"]({name})" in md for name in pngs)
+    assert all((tmp / "report" / name).read_bytes().startswith(b"\x89PNG") for name in pngs)
+    write(str(tmp / "out"), str(tmp_path / "unpriced"), Prices.load(None))
+    assert {p.name for p in (tmp_path / "unpriced").glob("*.png")} == pngs - {"cost.png"}
+    assert "](cost.png)" not in (tmp_path / "unpriced" / "report.md").read_text()
+
+
 def test_report_page_renders_in_chromium(job):
-    tmp, _ = job
+    tmp, _, _ = job
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     assert browser, "Debian's chromium is needed (scripts/install.sh installs it)"
     page = (tmp / "report" / "report.html").read_text()
@@ -71,11 +110,14 @@ def test_report_page_renders_in_chromium(job):
     sizes = re.search(r'data-images="([^"]*)"', dom)
     assert sizes, dom[:500]
     images = sizes.group(1).split(",")
-    assert len(images) == 3 and all(int(w) > 100 and int(h) > 100 for w, h in (s.split("x") for s in images))
+    assert len(images) == 6 and all(int(w) > 100 and int(h) > 100 for w, h in (s.split("x") for s in images))
     assert "Generation cost report" in dom and "<table>" in dom
 
 
-def test_report_cli_on_a_missing_output(tmp_path):
+def test_report_cli_on_a_missing_output(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "report", str(tmp_path / "nothing"), "--out",
                            str(tmp_path / "r")], capture_output=True, text=True)
     assert proc.returncode == 1 and "no job output here" in proc.stderr
+    # estimate reads the output the same way, and says the same (it raised a traceback before)
+    assert cli(["estimate", str(tmp_path / "nothing"), "--profile", str(tmp_path / "p.json")]) == 1
+    assert "no job output here" in capsys.readouterr().err

@@ -83,16 +83,17 @@ def test_permanent_error_is_fast_and_names_bucket_and_operation(s3_server):
 
 def test_transient_errors_are_retried(s3_server, monkeypatch):
     import workers.storage as storage
+    from workers import faults
 
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:3,get:2")
-    monkeypatch.setattr(storage, "_faults", None)  # re-read the variable
+    monkeypatch.setattr(faults, "_storage_left", None)  # read the variable again
     st = storage.open_storage("s3://bucket/flaky/")
     assert st.put_if_absent("p", b"data") is True
     assert st.read_bytes("p") == b"data"
-    assert storage._faults.left == {"put": 0, "get": 0}  # every injected fault was hit and survived
+    assert faults.storage_left() == {"put": 0, "get": 0}  # every injected fault was hit and survived
     monkeypatch.setenv("SPECBATCH_STORAGE_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("SPECBATCH_STORAGE_FAULTS", "put:5")
-    monkeypatch.setattr(storage, "_faults", None)
+    monkeypatch.setattr(faults, "_storage_left", None)
     with pytest.raises(storage.StorageError, match="ServiceUnavailable"):
         st.put("q", b"x")
 

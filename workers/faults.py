@@ -1,13 +1,24 @@
-"""Test hooks: faults a test asks for through SPECBATCH_FAULT_<NAME> environment variables."""
+"""Test hooks, all of them: faults a test asks for through environment variables, fired in whichever process
+reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook is off.
+
+- `SPECBATCH_FAULT_<NAME>=MARKER`: `once(NAME)` is true the first time any process reaches it (it creates the
+  file MARKER), so a fault fires once per test even across worker restarts. Names: `EXIT_IN_INIT` (a worker
+  dies while loading its models), `EXIT_ONCE` (dies mid-shard, before committing), `HANG_ONCE` (stops making
+  progress), `RANK_EXIT` (rank 1 of a tensor-parallel group dies at its 5th step).
+- `SPECBATCH_FAULT_OOM_ROWS=N`: `oom_rows()`; a worker's batches of more than N rows run out of memory.
+- `SPECBATCH_STORAGE_FAULTS="put:2,get:1"`: `storage(kind)` is true for the next N storage calls of that kind
+  (put, get, head, list, delete) in this process, which then fail as a transient error would (workers/storage.py).
+"""
 
 from __future__ import annotations
 
 import os
 
+_storage_left: dict[str, int] | None = None  # storage faults still to fire in this process, by kind
 
-def fault(name: str) -> bool:
-    """Test hook: true once per marker file named by SPECBATCH_FAULT_<NAME> (created on first use), so a
-    fault fires once per test even across worker restarts."""
+
+def once(name: str) -> bool:
+    """True once per marker file named by SPECBATCH_FAULT_<NAME> (created on first use)."""
     marker = os.environ.get(f"SPECBATCH_FAULT_{name}")
     if not marker:
         return False
@@ -16,3 +27,28 @@ def fault(name: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def oom_rows() -> int:
+    """N of SPECBATCH_FAULT_OOM_ROWS (0: off)."""
+    return int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))
+
+
+def storage(kind: str) -> bool:
+    """Whether this storage call of `kind` fails (SPECBATCH_STORAGE_FAULTS, read at the first call)."""
+    global _storage_left
+    if _storage_left is None:
+        _storage_left = {}
+        for item in filter(None, os.environ.get("SPECBATCH_STORAGE_FAULTS", "").split(",")):
+            op, _, n = item.partition(":")
+            _storage_left[op.strip()] = int(n or 1)
+    if _storage_left.get(kind, 0) > 0:
+        _storage_left[kind] -= 1
+        return True
+    return False
+
+
+def storage_left() -> dict[str, int]:
+    """The storage faults this process has still to fire, by kind."""
+    return dict(_storage_left or {})
+

@@ -18,9 +18,8 @@ import threading
 
 from specdec.config import TargetSource
 
-from . import logs
-from .faults import fault
-
+from . import faults, logs
+from .spec import ResourcesSpec
 
 
 class RankActor:
@@ -45,29 +44,33 @@ class RankActor:
 
         def before(name: str) -> None:  # test hook: this rank dies mid-shard (its 5th step)
             steps[0] += name == "step"
-            if steps[0] == 5 and fault("RANK_EXIT"):
+            if steps[0] == 5 and faults.once("RANK_EXIT"):
                 os._exit(1)
 
         self.rank.serve(before)
         self.rank.group.close()
 
 
-def start(target: TargetSource, world: int, use_gpu: bool, cpus: float, gpus: float, timeout_s: float):
-    """Rank 0 (inside the worker actor): start ranks 1..world-1 in this actor's placement group, join them,
-    load this rank's slice. Returns (specdec.tp.Rank, layout: one dict per rank)."""
+def start(target: TargetSource, resources: ResourcesSpec):
+    """Rank 0 (inside the worker actor): start ranks 1..N-1 (`target.tensor_parallel`) in this actor's placement
+    group, each asking Ray for what a worker does (`resources`), join them, load this rank's slice. Returns
+    (specdec.tp.Rank, layout: one dict per rank)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from specdec import shard, tp
 
+    world, timeout_s, gpus = target.tensor_parallel, resources.group_timeout_s, resources.gpus_per_worker
+    use_gpu = gpus > 0
     shard.check_shardable(target, world)  # a config error fails the worker here, once, not each rank
     pg = ray.util.get_current_placement_group()
     if pg is None:
         raise RuntimeError("a tensor-parallel worker must run in a placement group (jobs/driver.py makes it)")
     address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
     cls = ray.remote(RankActor)
-    others = [cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=r)).remote() for r in range(1, world)]
+    others = [cls.options(num_cpus=resources.cpus_per_worker, num_gpus=gpus, max_restarts=0,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+              .remote() for r in range(1, world)]
     joins = [a.join.remote(r, world, address, target.model_dump(mode="json"), use_gpu, timeout_s)
              for r, a in enumerate(others, start=1)]
     _watch(joins, "joining the group")

@@ -65,7 +65,7 @@ def to_file(folder: str | None) -> str | None:
 
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"worker-{socket.gethostname()}-{os.getpid()}.log")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # as the umask says
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

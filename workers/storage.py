@@ -15,11 +15,11 @@ import io
 import logging
 import os
 import random
-import tempfile
+import secrets
 import time
 from urllib.parse import urlparse
 
-from . import logs
+from . import faults, logs
 
 logs.install_redaction()  # whoever logs in a process that touches storage: no credential in any line
 for _name in logs.QUIET:  # the AWS SDK's DEBUG output includes request headers: off unless asked for
@@ -46,9 +46,98 @@ class Storage:
     def uri(self, name: str) -> str: ...
 
 
+# ------------------------------------------------------------------------------------------ retries
+
+def _attempts() -> int:
+    return int(os.environ.get("SPECBATCH_STORAGE_MAX_ATTEMPTS", "6"))
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))
+
+
+def _retry(op: str, target: str, fn, kind: str, errors):
+    """fn(), retried with exponential backoff while it fails in a way that passes with time (`errors.judge`), up
+    to SPECBATCH_STORAGE_MAX_ATTEMPTS attempts; a permanent failure, or the last, raises StorageError naming the
+    operation and its target. `kind` (put, get, head, list, delete) is what a test's injected fault hits."""
+    attempts = _attempts()
+    for attempt in range(1, attempts + 1):
+        try:
+            if faults.storage(kind):
+                raise errors.injected(op)
+            return fn()
+        except Exception as exc:
+            verdict = errors.judge(exc, target, attempts)
+            if verdict is None:  # not a storage failure
+                raise
+            transient, why = verdict
+            if not transient or attempt == attempts:
+                raise StorageError(f"{errors.prefix}{op} {target}: {why}") from None
+        _backoff(attempt)
+
+
+class _LocalErrors:
+    """How a local or network filesystem fails: `judge(exc, target, attempts)` is (passes with time?, why) for its
+    errors (EIO, ESTALE, ... pass; no folder, no permission do not), None for any other exception; `injected(op)`
+    is the transient error of a test's fault."""
+
+    prefix = ""
+    TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.EINTR, errno.ESTALE, errno.ENOTCONN,
+                 errno.ECONNRESET}
+
+    def judge(self, exc, target, attempts):
+        if not isinstance(exc, OSError):
+            return None
+        return exc.errno in self.TRANSIENT, exc.strerror or str(exc)
+
+    def injected(self, op):
+        return OSError(errno.EIO, "injected fault")
+
+
+class _S3Errors:
+    """How S3 fails, as `_LocalErrors` says: throttling, 5xx and dropped connections pass with time."""
+
+    prefix = "S3 "
+    TRANSIENT = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
+                 "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
+
+    def judge(self, exc, target, attempts):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return (code in self.TRANSIENT or status >= 500 or status == 429,
+                    _explain(code, err.get("Message", ""), target))
+        if isinstance(exc, BotoCoreError):  # connection errors among them
+            return True, f"{type(exc).__name__} after {attempts} attempts"
+        return None
+
+    def injected(self, op):
+        from botocore.exceptions import ClientError
+
+        return ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "injected fault"},
+                            "ResponseMetadata": {"HTTPStatusCode": 503}}, op)
+
+
+LOCAL, S3 = _LocalErrors(), _S3Errors()
+
+
+def _explain(code: str, message: str, what: str) -> str:
+    bucket = urlparse(what).netloc
+    if code == "NoSuchBucket":
+        return f"bucket {bucket!r} does not exist"
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+        return f"access denied to bucket {bucket!r} ({code}); check the AWS credentials in the environment"
+    return f"{code} {message}".strip()
+
+
+# -------------------------------------------------------------------------------------------- local
+
 class LocalStorage(Storage):
     """A folder. Names stay inside it (a name that resolves outside is refused); transient OS errors are
-    retried (`_local`)."""
+    retried (`_retry`)."""
 
     def __init__(self, root: str):
         self.root = os.path.realpath(root)
@@ -72,12 +161,14 @@ class LocalStorage(Storage):
             except FileNotFoundError:
                 return None
 
-        return _local("read", path, read, "get")
+        return _retry("read", path, read, "get", LOCAL)
 
     def _temp(self, path: str, data: bytes) -> str:
+        """`data` in a new temp file beside `path`, synced: created 0666 less the umask, as any file the user's
+        programs create, so that the part it becomes is as readable as they are (mkstemp's are 0600)."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as f:
+        tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{secrets.token_hex(8)}")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -96,11 +187,11 @@ class LocalStorage(Storage):
             finally:
                 os.unlink(tmp)
 
-        return _local("write", path, put, "put")
+        return _retry("write", path, put, "put", LOCAL)
 
     def put(self, name, data):
         path = self._path(name)
-        _local("write", path, lambda: os.replace(self._temp(path, data), path), "put")
+        _retry("write", path, lambda: os.replace(self._temp(path, data), path), "put", LOCAL)
 
     def list(self, prefix=""):
         if not os.path.isdir(self.root):
@@ -125,10 +216,6 @@ class LocalStorage(Storage):
 
 # ----------------------------------------------------------------------------------------------- S3
 
-_TRANSIENT_CODES = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestTimeTooSkewed",
-                    "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
-
-
 def _client():
     import boto3
     from botocore.config import Config
@@ -136,93 +223,6 @@ def _client():
     # retries are ours (below), so botocore's own are off and every attempt is counted once
     return boto3.session.Session().client("s3", config=Config(retries={"max_attempts": 1, "mode": "standard"},
                                                                connect_timeout=10, read_timeout=60))
-
-
-class _Faults:
-    """Test hook: SPECBATCH_STORAGE_FAULTS="put:2,get:1" makes the next N storage calls of that kind (put, get,
-    head, list, delete) fail as a transient error would (a 503 on S3, EIO on a local disk), before reaching
-    the storage (counted per process)."""
-
-    def __init__(self):
-        self.left = {}
-        for part in filter(None, os.environ.get("SPECBATCH_STORAGE_FAULTS", "").split(",")):
-            op, _, n = part.partition(":")
-            self.left[op.strip()] = int(n or 1)
-
-    def fire(self, op: str) -> bool:
-        if self.left.get(op, 0) > 0:
-            self.left[op] -= 1
-            return True
-        return False
-
-
-_faults: _Faults | None = None
-
-
-def _fault(kind: str) -> bool:
-    global _faults
-    if _faults is None:
-        _faults = _Faults()
-    return _faults.fire(kind)
-
-
-def _attempts() -> int:
-    return int(os.environ.get("SPECBATCH_STORAGE_MAX_ATTEMPTS", "6"))
-
-
-def _backoff(attempt: int) -> None:
-    time.sleep(min(8.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random()))
-
-
-_TRANSIENT_ERRNO = {errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.EINTR, errno.ESTALE,
-                    errno.ENOTCONN, errno.ECONNRESET}
-
-
-def _local(op: str, path: str, fn, kind: str):
-    """Run a local file operation, retrying errors a network or flaky disk recovers from (EIO, ESTALE, ...)."""
-    attempts = _attempts()
-    for attempt in range(1, attempts + 1):
-        try:
-            if _fault(kind):
-                raise OSError(errno.EIO, "injected fault")
-            return fn()
-        except OSError as exc:
-            if exc.errno not in _TRANSIENT_ERRNO or attempt == attempts:
-                raise StorageError(f"{op} {path}: {exc.strerror or exc}") from None
-        _backoff(attempt)
-
-
-def _retry(op: str, what: str, fn, kind: str):
-    """Run fn with exponential backoff on transient errors; permanent ones raise StorageError."""
-    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, EndpointConnectionError
-
-    attempts = _attempts()
-    for attempt in range(1, attempts + 1):
-        try:
-            if _fault(kind):
-                raise ClientError({"Error": {"Code": "ServiceUnavailable", "Message": "injected fault"},
-                                   "ResponseMetadata": {"HTTPStatusCode": 503}}, op)
-            return fn()
-        except ClientError as exc:
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            transient = code in _TRANSIENT_CODES or status >= 500 or status == 429
-            if not transient or attempt == attempts:
-                raise StorageError(f"S3 {op} {what}: {_explain(code, err.get('Message', ''), what)}") from None
-        except (EndpointConnectionError, ConnectionError, BotoCoreError) as exc:
-            if attempt == attempts:
-                raise StorageError(f"S3 {op} {what}: {type(exc).__name__} after {attempts} attempts") from None
-        _backoff(attempt)
-
-
-def _explain(code: str, message: str, what: str) -> str:
-    bucket = urlparse(what).netloc
-    if code == "NoSuchBucket":
-        return f"bucket {bucket!r} does not exist"
-    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-        return f"access denied to bucket {bucket!r} ({code}); check the AWS credentials in the environment"
-    return f"{code} {message}".strip()
 
 
 class S3Storage(Storage):
@@ -252,7 +252,7 @@ class S3Storage(Storage):
                     return False
                 raise
 
-        return _retry("HeadObject", self.uri(name), head, "head")
+        return _retry("HeadObject", self.uri(name), head, "head", S3)
 
     def read_bytes(self, name):
         from botocore.exceptions import ClientError
@@ -265,7 +265,7 @@ class S3Storage(Storage):
                     return None
                 raise
 
-        return _retry("GetObject", self.uri(name), get, "get")
+        return _retry("GetObject", self.uri(name), get, "get", S3)
 
     def put_if_absent(self, name, data):
         from botocore.exceptions import ClientError
@@ -280,11 +280,11 @@ class S3Storage(Storage):
                     return False
                 raise
 
-        return _retry("PutObject", self.uri(name), put, "put")
+        return _retry("PutObject", self.uri(name), put, "put", S3)
 
     def put(self, name, data):
         _retry("PutObject", self.uri(name),
-               lambda: self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data), "put")
+               lambda: self.s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data), "put", S3)
 
     def list(self, prefix=""):
         return [o["name"] for o in self.list_objects(prefix)]
@@ -299,7 +299,7 @@ class S3Storage(Storage):
                            for o in page.get("Contents", []))
             return sorted(out, key=lambda o: o["name"])
 
-        return _retry("ListObjectsV2", f"s3://{self.bucket}/{self._key(prefix)}", ls, "list")
+        return _retry("ListObjectsV2", f"s3://{self.bucket}/{self._key(prefix)}", ls, "list", S3)
 
     def download(self, name: str, dest: str, size: int | None = None, chunk: int = 8 << 20) -> int:
         """Stream one object into the local file `dest` (created or truncated), never whole in memory; a
@@ -319,12 +319,12 @@ class S3Storage(Storage):
                 for block in resp["Body"].iter_chunks(chunk):
                     f.write(block)
 
-            _retry("GetObject", self.uri(name), get, "get")
+            _retry("GetObject", self.uri(name), get, "get", S3)
             return f.tell()
 
     def delete(self, name):
         _retry("DeleteObject", self.uri(name),
-               lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(name)), "delete")
+               lambda: self.s3.delete_object(Bucket=self.bucket, Key=self._key(name)), "delete", S3)
 
 
 class S3Reader(io.RawIOBase):
@@ -334,7 +334,7 @@ class S3Reader(io.RawIOBase):
         u = urlparse(uri)
         self.bucket, self.key, self._uri = u.netloc, u.path.lstrip("/"), uri
         self.s3 = _client()
-        head = _retry("HeadObject", uri, lambda: self.s3.head_object(Bucket=self.bucket, Key=self.key), "head")
+        head = _retry("HeadObject", uri, lambda: self.s3.head_object(Bucket=self.bucket, Key=self.key), "head", S3)
         self.size = head["ContentLength"]
         self.pos = 0
 
@@ -358,7 +358,7 @@ class S3Reader(io.RawIOBase):
         end = min(self.size, self.pos + len(buf)) - 1
         rng = f"bytes={self.pos}-{end}"
         data = _retry("GetObject", self._uri,
-                      lambda: self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=rng)["Body"].read(), "get")
+                      lambda: self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=rng)["Body"].read(), "get", S3)
         n = len(data)
         buf[:n] = data
         self.pos += n
@@ -384,7 +384,7 @@ def input_files(uri: str) -> list[dict]:
         if uri.endswith(INPUT_SUFFIXES):
             u = urlparse(uri)
             s3 = _client()
-            head = _retry("HeadObject", uri, lambda: s3.head_object(Bucket=u.netloc, Key=u.path.lstrip("/")), "head")
+            head = _retry("HeadObject", uri, lambda: s3.head_object(Bucket=u.netloc, Key=u.path.lstrip("/")), "head", S3)
             return [{"path": uri, "size": head["ContentLength"], "etag": head["ETag"].strip('"')}]
         st = S3Storage(uri)
         return [{"path": st.uri(o["name"]), "size": o["size"], "etag": o["etag"]}
@@ -397,7 +397,7 @@ def input_files(uri: str) -> list[dict]:
         raise StorageError(f"input {uri!r} does not exist")
     out = []
     for path in paths:
-        info = _local("stat", path, lambda p=path: os.stat(p), "head")
+        info = _retry("stat", path, lambda p=path: os.stat(p), "head", LOCAL)
         out.append({"path": path, "size": info.st_size, "mtime_ns": info.st_mtime_ns})
     return out
 

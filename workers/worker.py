@@ -15,36 +15,16 @@ import socket
 import sys
 import time
 
-from pydantic import Field
-
-from specdec.config import Config, ModelsConfig, SampleResult, SamplingParams, SpecConfig
+from specdec.config import SampleResult, SamplingParams, SpecConfig
 from specdec.stops import cut_at_stop
 
-from . import logs
-from .faults import fault
+from . import faults, logs
 from .fetch import localize
-from .inputs import InputSpec, Shard, read_shard, render_prompt
-from .outputs import OutputSpec, commit_jsonl, parquet_bytes, part_entry
+from .inputs import Shard, read_shard, render_prompt
+from .outputs import commit_jsonl, parquet_bytes, part_entry
 from .requests import interpret, settings
+from .spec import WorkerSpec, models_used
 from .storage import open_storage
-
-class WorkerSpec(Config):
-    """What a worker needs of the job (jobs.spec.JobSpec.worker_spec)."""
-
-    models: ModelsConfig
-    generation: SamplingParams
-    speculation: SpecConfig
-    input: InputSpec
-    output: OutputSpec
-    batch_size: int = Field(ge=1)
-    gpu_memory_fraction: float = Field(gt=0.0, le=1.0)
-    use_gpu: bool
-    # a tensor-parallel target (models.target.tensor_parallel > 1): what each other rank asks Ray for, and how
-    # long the ranks may take to meet
-    cpus_per_rank: float = 1.0
-    gpus_per_rank: float = 0.0
-    group_timeout_s: float = 1800.0
-
 
 def device_name(device) -> str:
     """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
@@ -71,7 +51,7 @@ class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
     hang checks."""
 
-    def __init__(self, spec_data: dict):
+    def __init__(self, spec: WorkerSpec):
         import torch
 
         from specdec.engine import SpecEngine
@@ -79,11 +59,12 @@ class GenerationWorker:
 
         logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
-        if fault("EXIT_IN_INIT"):  # test hook: die while loading the models
+        if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
-        self.spec = spec = WorkerSpec.model_validate(spec_data)
+        self.spec = spec
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
-        target = localize(spec.models.target)
+        used = models_used(spec.models, spec.speculation)
+        target = localize(used["models.target.path"])
         tp, self.layout = None, None
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
             from .fetch import local_snapshot
@@ -91,13 +72,11 @@ class GenerationWorker:
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
-
-            tp, self.layout = start(target, target.tensor_parallel, spec.use_gpu, spec.cpus_per_rank,
-                                    spec.gpus_per_rank, spec.group_timeout_s)
-        self.pair = load_pair(target, localize(spec.models.draft), device, tp=tp)
+            tp, self.layout = start(target, spec.resources)
+        self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
         self.tokenizer = self.pair.tokenizer
-        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.batch_size,
-                                 gpu_memory_fraction=spec.gpu_memory_fraction)
+        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
+                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction)
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
@@ -123,7 +102,7 @@ class GenerationWorker:
     def process(self, shard_data: dict) -> dict:
         t0 = time.perf_counter()
         self._tick()
-        if fault("HANG_ONCE"):  # test hook: a worker that stops making progress
+        if faults.once("HANG_ONCE"):  # test hook: a worker that stops making progress
             while True:
                 time.sleep(60)
         shard = Shard(**shard_data)
@@ -152,7 +131,7 @@ class GenerationWorker:
             engine = self.control_engine() if shard.control else self.engine
             results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
                                                    [params[i] for i in todo])))
-        if fault("EXIT_ONCE"):  # test hook: die mid-shard, before committing
+        if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         rows = []
         for i, rec in enumerate(records):
@@ -184,7 +163,7 @@ class GenerationWorker:
 
             self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
                                        batch_size=self.engine.batch_size,
-                                       gpu_memory_fraction=self.spec.gpu_memory_fraction)
+                                       gpu_memory_fraction=self.spec.resources.gpu_memory_fraction)
         return self._control
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],
@@ -193,7 +172,7 @@ class GenerationWorker:
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
         fails, as an error row."""
         try:
-            inject = int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))  # test hook: batches above N rows OOM
+            inject = faults.oom_rows()  # test hook: batches above N rows run out of memory
             if inject and min(engine.batch_size, len(prompts)) > inject:
                 raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
             return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick, params=params)

@@ -1,0 +1,78 @@
+"""What a worker is given: the job's own config sections, as the job config holds them (jobs/spec.py embeds
+the same types), and `resources`, the job's workers and batching, defined here so that workers need nothing
+of jobs/.
+
+A field that changes how fast a job runs but never its output rows is marked `NEUTRAL` where it is declared
+(here, in jobs/spec.py and in specdec/config.py); a job's fingerprint leaves exactly those fields out.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from specdec.config import Config, ModelsConfig, ModelSource, SamplingParams, SpecConfig
+
+from .inputs import InputSpec
+from .outputs import OutputSpec
+
+NEUTRAL = {"output_neutral": True}  # json_schema_extra of an output-neutral field
+
+
+class ResourcesSpec(Config):
+    num_workers: int = Field(1, ge=1, description="worker actors", json_schema_extra=NEUTRAL)
+    gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (a worker with one runs on "
+                                          "it); null: 1 where the Ray cluster has GPUs, else 0",
+                                          json_schema_extra=NEUTRAL)
+    cpus_per_worker: float = Field(1, gt=0, description="Ray CPUs per worker", json_schema_extra=NEUTRAL)
+    batch_size: int = Field(16, ge=1, description="rows decoded together by a worker (continuous batching)",
+                            json_schema_extra=NEUTRAL)
+    gpu_memory_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="share of a worker's GPU its weights, KV caches and steps may use: a batch "
+        "that does not fit runs with fewer rows, a prompt that cannot fit one row becomes an error row, a config "
+        "that cannot fit one row of `max_new_tokens` stops the worker at start, with the figures",
+        json_schema_extra=NEUTRAL)
+    shard_size: int = Field(256, ge=1, description="rows per part")
+    max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
+                             "worker and runs the shard again)", json_schema_extra=NEUTRAL)
+    shard_timeout_s: float | None = Field(1800.0, gt=0, description="a worker that makes no progress (no tokens) "
+                                          "for this long is killed and its shard retried; null: never",
+                                          json_schema_extra=NEUTRAL)
+    group_timeout_s: float = Field(1800.0, gt=0, description="how long the ranks of a tensor-parallel worker wait "
+                                   "for each other, to meet and in any call among them (torch.distributed's "
+                                   "timeout), before the worker is restarted", json_schema_extra=NEUTRAL)
+
+    def gpus(self, cluster_gpus: float) -> float:
+        """GPUs each worker asks Ray for: `gpus_per_worker` as set, else one where the cluster has any."""
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return 1.0 if cluster_gpus >= 1 else 0.0
+
+
+class WorkerSpec(Config):
+    """The job config's sections a worker runs by (jobs.spec.JobSpec.worker_spec), with
+    `resources.gpus_per_worker` resolved against the cluster (never null here)."""
+
+    models: ModelsConfig
+    generation: SamplingParams
+    speculation: SpecConfig
+    input: InputSpec
+    output: OutputSpec
+    resources: ResourcesSpec
+
+    @model_validator(mode="after")
+    def _resolved(self):
+        if self.resources.gpus_per_worker is None:
+            raise ValueError("a worker needs resources.gpus_per_worker resolved (JobSpec.worker_spec does it)")
+        return self
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.resources.gpus_per_worker > 0
+
+
+def models_used(models: ModelsConfig, speculation: SpecConfig) -> dict[str, ModelSource]:
+    """The models a worker loads, by config key: the target, and the draft where `method: draft_model` uses it."""
+    used: dict[str, ModelSource] = {"models.target.path": models.target}
+    if speculation.method == "draft_model" and models.draft is not None:
+        used["models.draft.path"] = models.draft
+    return used

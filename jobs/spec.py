@@ -252,11 +252,13 @@ def _default(field) -> str:
 
 def config_reference(model: type[BaseModel] = JobSpec, prefix: str = "") -> list[str]:
     """The README's config reference: one markdown row per leaf key (a section that may be null, such as
-    models.draft, gets its own row too), from the models' fields and descriptions."""
+    models.draft, gets its own row too; one whose description gives its whole shape, `one_row`, only that row),
+    from the models' fields and descriptions."""
     rows = []
     for name, field in model.model_fields.items():
         key = prefix + name
-        sub = _section(field.annotation)
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        sub = None if extra.get("one_row") else _section(field.annotation)
         optional = not field.is_required() and field.get_default(call_default_factory=True) is None
         if sub is None or optional:
             rows.append(f"| `{key}` | {_default(field)} | {field.description} |")

@@ -110,7 +110,8 @@ class SamplingParams(Config):
     response_format: ResponseFormat | None = Field(None, description="`{type: json_schema, json_schema: {schema}}`, "
                                                    "`{type: json_object}`, `{type: regex, regex}`, `{type: choice, "
                                                    "choice: [...]}` or `{type: text}` (OpenAI's shape): both models "
-                                                   "are masked by its grammar, so the output follows it")
+                                                   "are masked by its grammar, so the output follows it",
+                                                   json_schema_extra={"one_row": True})
 
     @property
     def greedy(self) -> bool:

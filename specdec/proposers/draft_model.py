@@ -59,7 +59,7 @@ class DraftModelProposer(Proposer):
         tokens_in = b.seq[:n].gather(1, idx.clamp(max=b.max_len - 1))
         return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
 
-    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:
         b, stop = self.batch, self.stopper
         k_max = int(limits.max()) if n else 0
         self.fed_len[:n] = self.d_len[:n]

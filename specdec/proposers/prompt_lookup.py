@@ -94,6 +94,8 @@ class PromptLookupProposer(Proposer):
             return len(toks)
 
         for j, start in enumerate(starts if s else starts[:1]):  # every occurrence's continuation, merged
+            if len(toks) >= budget:
+                break  # a full tree takes no more: later occurrences would only walk it
             node = 0
             for at in range(start, min(start + k, len(tokens))):
                 x = tokens[at]

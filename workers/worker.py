@@ -81,12 +81,14 @@ class GenerationWorker:
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.node = _node_id()
         self.device_name = device_name(self.engine.device)
         self._control = None
         self._last_progress = time.monotonic()
 
-    def ready(self) -> str:
-        return self.name
+    def ready(self) -> dict:
+        """Where this worker's process runs: its `name` (host:pid) and Ray `node` id."""
+        return {"name": self.name, "node": self.node}
 
     def group_layout(self) -> list[dict] | None:
         """Where a tensor-parallel worker's ranks run (node, GPUs, weight bytes); None for one process."""
@@ -151,7 +153,7 @@ class GenerationWorker:
             **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
             "control": shard.control, "device": self.device_name,
             "wall_s": time.perf_counter() - t0,
-            "worker": self.name,
+            "worker": self.name, "node": self.node,
             "step_path": self.engine.step_path,
             "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
@@ -210,6 +212,13 @@ def _group_guard():
     except GroupBroken as exc:
         print(f"specbatch: {exc}; restarting the worker's whole group", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _free_memory() -> None:

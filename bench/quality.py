@@ -10,7 +10,8 @@ run of 16 prompts x 64 tokens takes 25-60 s at batch 1: trim with --n, --repeats
 
 A setting is `ar` (autoregressive: method none) or METHOD:k=K[:s=S][:fuzzy=DIV@T][:cond=A@B], where
 METHOD is `dm` (draft model), `pld` (prompt lookup, n-grams 6..1) or `aasd` (prompt lookup with AASD
-token trees: needs s=S, alignment sampling 1..3); K is num_draft_tokens (draft_length fixed);
+token trees: needs s=S, alignment sampling 1..3); K is num_draft_tokens (draft_length fixed), or
+`auto`: the default policy (goodput, which also chooses a tree's width per round);
 fuzzy=DIV@T is fuzzy verification with divergence DIV (js, kl, tv) under threshold T; cond=A@B is
 conditional verification with alpha A and beta B. Without fuzzy/cond a setting is lossless, and it is
 the lossless counterpart of its relaxed variants. Every setting's SpecConfig is built before models load.
@@ -68,13 +69,13 @@ def parse_setting(text: str) -> dict:
             raise ValueError(f"{text!r}: {part!r} is not one of k=, s=, fuzzy=, cond= (each once)")
         kv[key] = value
     try:
-        k = int(kv["k"])
+        k = 0 if kv.get("k") == "auto" else int(kv["k"])
         s = int(kv.get("s", "0"))
     except (KeyError, ValueError):
-        raise ValueError(f"{text!r}: needs k=INT (and s=INT for aasd)") from None
-    if k < 1 or (head == "aasd") != ("s" in kv) or (head == "aasd" and not 1 <= s <= 3):
-        raise ValueError(f"{text!r}: k >= 1; s=1..3 with aasd only (pld is s=0)")
-    base = f"{head}:k={k}" + (f":s={s}" if head == "aasd" else "")
+        raise ValueError(f"{text!r}: needs k=INT or k=auto (and s=INT for aasd)") from None
+    if (k < 1 and kv["k"] != "auto") or (head == "aasd") != ("s" in kv) or (head == "aasd" and not 1 <= s <= 3):
+        raise ValueError(f"{text!r}: k >= 1 or auto; s=1..3 with aasd only (pld is s=0)")
+    base = f"{head}:k={kv['k']}" + (f":s={s}" if head == "aasd" else "")
     relax = None
     if "fuzzy" in kv and "cond" in kv:
         raise ValueError(f"{text!r}: fuzzy or cond, not both")
@@ -97,8 +98,9 @@ def spec_kwargs(st: dict) -> dict:
     """SpecConfig keyword arguments of a parsed setting."""
     if st["method"] == "ar":
         return {"method": "none"}
-    kw = {"method": "draft_model" if st["method"] == "dm" else "prompt_lookup", "draft_length": "fixed",
-          "num_draft_tokens": st["k"], "max_draft_tokens": max(8, st["k"])}
+    kw = {"method": "draft_model" if st["method"] == "dm" else "prompt_lookup"}
+    if st["k"]:  # k=auto (0): the default policy (goodput) and bound
+        kw.update(draft_length="fixed", num_draft_tokens=st["k"], max_draft_tokens=max(8, st["k"]))
     if st["method"] != "dm":
         kw["prompt_lookup"] = {"max_ngram": 6, "min_ngram": 1, "alignment_sampling": st["s"]}
     if st["relax"] and st["relax"][0] == "fuzzy":
@@ -141,6 +143,7 @@ def run_block(pair, settings, prompts, bs, args):
     """Timed runs of every setting at one batch size: {name: {"ratios", "tok_s", "results"}}."""
     def one(st):
         eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec_config(st), batch_size=bs)
+        eng.measure_costs()  # goodput's start-up cost profile, once per worker: not in tok/s
         sync(eng.device)
         t = time.perf_counter()
         res = eng.generate(prompts)

@@ -6,6 +6,7 @@
   specbatch profile CONFIG.yaml --out profile.json
   specbatch estimate OUTPUT_PATH --profile profile.json [--batch-size B] [--draft-length recorded|none|fixed:K|goodput]
   specbatch train-head CONFIG.yaml --out DIR
+  specbatch calibrate CONFIG.yaml [--prompts N] [--steps S] [--step F]
   specbatch config-reference
 """
 
@@ -177,6 +178,29 @@ def cmd_train_head(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """FSD's threshold for the job's pair on a sample of its prompts (the paper's protocol): the threshold whose
+    divergence rule accepts what the lossless rule does at the best length, then steps up; prints the
+    speed-quality points to choose `speculation.fuzzy.threshold` from."""
+    from specdec.calibrate import calibrate, format_points
+    from specdec.models import load_pair
+    from workers.fetch import localize
+
+    from .train_head import collect_prompts
+
+    spec = load_spec(args.config, args.set)
+    if spec.models.draft is None:
+        raise ConfigError("calibrate needs models.draft in the job config (FSD verifies a draft model's tokens)")
+    pair = load_pair(localize(spec.models.target), localize(spec.models.draft))
+    prompts = collect_prompts(spec, pair.tokenizer, args.prompts)
+    if not prompts:
+        raise ConfigError(f"no usable prompts in {spec.input.path}")
+    k, points = calibrate(pair, prompts, spec.generation, spec.speculation, spec.resources.batch_size, args.steps,
+                          args.step)
+    print(format_points(k, points))
+    return 0
+
+
 def cmd_reference(args) -> int:
     """Print the config reference (every key, its default and what it does) as a markdown table."""
     print("| key | default | meaning |\n|---|---|---|")
@@ -232,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
                          "fed: the state after the token was fed back (the SpecDec++ paper's; one more forward)")
     th.add_argument("--no-progress", action="store_true")
     th.set_defaults(fn=cmd_train_head)
+    cal = sub.add_parser("calibrate", help=cmd_calibrate.__doc__, description=cmd_calibrate.__doc__)
+    cal.add_argument("config")
+    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    cal.add_argument("--prompts", type=int, default=32, help="prompts of the job's input to calibrate on")
+    cal.add_argument("--steps", type=int, default=4, help="thresholds above the matched one")
+    cal.add_argument("--step", type=float, default=0.05, help="more of the tokens each step accepts")
+    cal.set_defaults(fn=cmd_calibrate)
     rep = sub.add_parser("report", help=cmd_report.__doc__, description=cmd_report.__doc__)
     rep.add_argument("output", help="the job's output path (local or s3://)")
     rep.add_argument("--out", required=True, help="folder for the report")

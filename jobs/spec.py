@@ -1,4 +1,4 @@
-"""The job config: the YAML of ARCHITECTURE.md as pydantic models. Its `models`, `generation` and
+"""The job config: the job YAML (README, "Config reference") as pydantic models. Its `models`, `generation` and
 `speculation` sections are the engine's own config types (specdec/config.py), `input`, `output` and
 `resources` the workers' (workers/spec.py); this module adds the job's name, and hands a worker those
 sections as they are (`JobSpec.worker_spec`). Unknown keys are refused, naming the key and the nearest

@@ -157,6 +157,8 @@ class ConditionalConfig(Config):
     beta: float = Field(0.1, ge=0.0, description="its floor; beta >= 1 is strict greedy verification")
 
 
+HEAD_MAX_TOKENS = 20  # SpecDec++'s most draft tokens per round
+
 _MOVED = {"prompt_lookup_max_ngram": "speculation.prompt_lookup.max_ngram",
           "prompt_lookup_min_ngram": "speculation.prompt_lookup.min_ngram"}
 
@@ -165,7 +167,8 @@ class SpecConfig(Config):
     method: Method = Field("draft_model", description="`none` (plain decoding), `draft_model`, `prompt_lookup`")
     draft_length: DraftLength = Field(policies.NAMES[0], description=policies.describe())
     num_draft_tokens: int = Field(2, ge=0, description="K of `fixed`, and where `heuristic` starts")
-    max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy")
+    max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy (unset: 20 for "
+                                  "`acceptance_head`, SpecDec++'s)")
     verification: Verification = Field("lossless", description="`lossless` (the target's own distribution), or "
                                        "relaxed, opt-in and measured (bench/quality.py): `fuzzy` (FSD, `draft_model`: "
                                        "accept where the models' distributions are close) or `conditional` (AASD, "
@@ -194,6 +197,8 @@ class SpecConfig(Config):
         for old, new in _MOVED.items():
             if isinstance(data, dict) and old in data:
                 raise ValueError(f"speculation.{old} is now {new}")
+        if isinstance(data, dict) and data.get("draft_length") == "acceptance_head" and "max_draft_tokens" not in data:
+            data = {**data, "max_draft_tokens": HEAD_MAX_TOKENS}  # the head stops rounds; SpecDec++ bounds them at 20
         return data
 
     @model_validator(mode="after")

@@ -5,7 +5,9 @@ two): the draft's work for a round of one and of two drafts, one target forward 
 per width, and what an admission costs beyond its rows' own prefill. It saves to and loads from JSON.
 
 `CostModel` predicts a round of K drafts at a bucket: the draft's work for K tokens plus the cheapest
-target forward over K + 1 tokens or a few more (verify padding). Live rounds correct the prediction
+target forward over K + 1 tokens or a few more (verify padding); a token tree's K levels are verified
+at the width of its nodes (1 + K * nodes per level), so a wide tree costs what its width costs where
+width is not free (a CPU, a GPU at large batch). Live rounds correct the prediction
 per bucket: the length that keeps running tracks the bucket's level (machine load and growing
 contexts move every cost together); a length run after another is measured against that level, which
 corrects its own cost (medians of the last few samples: speculative rounds vary more than plain ones).
@@ -37,6 +39,11 @@ def expected_tokens(rates: np.ndarray, top: int) -> np.ndarray:
     return (1 - a ** (np.arange(top + 1)[None, :] + 1)) / (1 - a)
 
 
+def tree_width(k: int, fan: float) -> int:
+    """Tokens per row verifying k levels of a draft with `fan` nodes per level (a chain: fan 1, width k + 1)."""
+    return 1 + int(np.ceil(k * fan - 1e-9))
+
+
 def best_length(tokens: np.ndarray, seconds: np.ndarray) -> int:
     """The K whose expected tokens [K + 1] per predicted second [K + 1] (nan: unknown) is highest; 0 if none."""
     per_second = np.where(np.isnan(seconds), -np.inf, tokens / np.where(np.isnan(seconds), 1.0, seconds))
@@ -65,21 +72,34 @@ class Profile:
 
     def verifying(self, b: int, width: int, pad: int = 0) -> float | None:
         """Seconds of the target's forward over `width` tokens per row at bucket b, at the cheapest measured
-        width up to `pad` wider; beyond the widest measured, the widest (a forward never gets cheaper)."""
+        width up to `pad` wider; between measured widths, on the line between the nearest two; beyond the
+        widest measured, the widest (a forward never gets cheaper)."""
         b = self._near(self.target, b)
         if b is None:
             return None
         times = self.target[b]
         reach = [t for w, t in times.items() if width <= w <= width + pad]
-        return min(reach) if reach else times[max(times)] if max(times) < width else None
+        if reach:
+            return min(reach)
+        if max(times) < width:
+            return times[max(times)]
+        below, above = [w for w in times if w < width], min(w for w in times if w > width)
+        if not below:
+            return None
+        lo = max(below)
+        return times[lo] + (times[above] - times[lo]) * (width - lo) / (above - lo)
 
-    def round(self, b: int, k: int, pad: int = 0) -> float | None:
-        d, v = self.drafting(b, k), self.verifying(b, k + 1, pad)
+    def round(self, b: int, k: int, pad: int = 0, width: int | None = None) -> float | None:
+        """A round of k drafts verified at `width` tokens per row (None: k + 1, a chain)."""
+        d, v = self.drafting(b, k), self.verifying(b, width or k + 1, pad)
         return None if d is None or v is None else d + v
 
-    def rounds(self, b: int, top: int, pad: int = 0) -> np.ndarray:
-        """[top + 1] seconds of a round of k = 0..top drafts at bucket b (nan where the profile cannot say)."""
-        return np.array([np.nan if (t := self.round(b, k, pad)) is None else t for k in range(top + 1)])
+    def rounds(self, b: int, top: int, pad: int = 0, fan: float = 1.0) -> np.ndarray:
+        """[top + 1] seconds of a round of k = 0..top drafts at bucket b whose draft has `fan` nodes per level of
+        depth (1: chains; a tree's k levels are verified at width 1 + ceil(k * fan)); nan where the profile
+        cannot say."""
+        return np.array([np.nan if (t := self.round(b, k, pad, tree_width(k, fan))) is None else t
+                         for k in range(top + 1)])
 
     @staticmethod
     def _near(table: dict[int, object], b: int) -> int | None:
@@ -106,41 +126,40 @@ class CostModel:
     def __init__(self, profile: Profile, pad: int = 0):
         self.profile = profile
         self.pad = pad  # verify padding's reach (0: off)
-        self.level: dict[int, list[float]] = {}  # bucket -> live / predicted, of the running length's rounds
-        self.correction: dict[tuple[int, int], list[float]] = {}  # (bucket, K) -> live / (predicted * level)
-        self.stamp: dict[tuple[int, int], int] = {}  # (bucket, K) -> round of its last sample
-        self.last: dict[int, int] = {}  # bucket -> the K of its last sampled round
+        self.level: dict[int, list[float]] = {}  # bucket -> live / predicted, of the running choice's rounds
+        self.correction: dict[tuple[int, int, int], list[float]] = {}  # (bucket, K, s) -> live / (predicted * level)
+        self.stamp: dict[tuple[int, int, int], int] = {}  # (bucket, K, s) -> round of its last sample
+        self.last: dict[int, tuple[int, int]] = {}  # bucket -> the (K, s) of its last sampled round
         self.rounds = 0
-        self._base: dict[tuple[int, int], np.ndarray] = {}  # (bucket, top) -> the profile's round times
 
-    def seconds(self, n: int, top: int) -> np.ndarray:
+    def seconds(self, n: int, top: int, s: int = 0, fan: float = 1.0) -> np.ndarray:
         """[top + 1] predicted seconds of a round of k = 0..top drafts at n rows (as if its bucket were full;
-        nan where the profile cannot say)."""
+        nan where the profile cannot say), drafting trees of at most s siblings per node with `fan` nodes per
+        level (s = 0: chains, fan 1)."""
         b = bucket(n)
-        if (b, top) not in self._base:
-            self._base[(b, top)] = self.profile.rounds(b, top, self.pad)
-        t = self._base[(b, top)] * (statistics.median(self.level[b]) if b in self.level else 1.0)
-        for (bb, k), fix in self.correction.items():
-            if bb == b and k <= top:
+        t = self.profile.rounds(b, top, self.pad, fan) * (statistics.median(self.level[b]) if b in self.level else 1.0)
+        for (bb, k, ss), fix in self.correction.items():
+            if bb == b and ss == s and k <= top:
                 t[k] *= statistics.median(fix)
         return t
 
-    def observe(self, n: int, k: int, seconds: float) -> None:
-        """A live round of k drafts at n rows took `seconds`: the same length as the bucket's last sampled
-        round tracks the level; another length corrects its own cost against that level."""
-        b = bucket(n)
-        base = self.profile.round(b, k, self.pad)
+    def observe(self, n: int, k: int, seconds: float, s: int = 0, width: int | None = None) -> None:
+        """A live round of k drafts (of at most s siblings per node, verified at `width`; None: a chain's k + 1)
+        at n rows took `seconds`: the same choice as the bucket's last sampled round tracks the level; another
+        corrects its own cost against that level."""
+        b, key = bucket(n), (k, s if k else 0)
+        base = self.profile.round(b, k, self.pad, width)
         self.rounds += 1
         if not base:
             return
-        fix = statistics.median(self.correction[(b, k)]) if (b, k) in self.correction else 1.0
-        if self.last.get(b, k) == k or b not in self.level:
+        fix = statistics.median(self.correction[(b, *key)]) if (b, *key) in self.correction else 1.0
+        if self.last.get(b, key) == key or b not in self.level:
             keep_last(self.level.setdefault(b, []), seconds / (base * fix), self.samples)
         else:
-            keep_last(self.correction.setdefault((b, k), []), seconds / (base * statistics.median(self.level[b])),
+            keep_last(self.correction.setdefault((b, *key), []), seconds / (base * statistics.median(self.level[b])),
                       self.samples)
-        self.last[b] = k
-        self.stamp[(b, k)] = self.rounds
+        self.last[b] = key
+        self.stamp[(b, *key)] = self.rounds
 
 
 def keep_last(samples: list, x, last: int) -> None:

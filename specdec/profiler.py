@@ -4,7 +4,8 @@ For every batch-size bucket up to the engine's batch size: the draft's work for 
 two drafts (`proposer.propose`) and one target forward with verification per width (`Rounds.verify`,
 which also seeds verify padding's width timings), each the minimum of `samples` runs taken back to
 back; widths are timed upwards while a length could still win at an optimistic 0.8 acceptance, given
-that drafting more never makes a round cheaper. Then a 1-row and a 2-row prefill (their difference is
+that drafting more never makes a round cheaper; for token trees, also the widest tree of the longest
+such length (narrower trees' costs lie on the line between). Then a 1-row and a 2-row prefill (their difference is
 a prefill call's fixed cost) and one row's draft prefill. Rows repeat a 16-token pattern (prompt
 lookup finds full drafts in it; a model's cost does not depend on the tokens) and are cut back to
 `context` tokens after every round, so every round runs at the same length and leaves nothing behind.
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from .batch import sync
 from .costmodel import Profile, best_length, bucket, expected_tokens
 from .policies.simple import FixedLength
-from .proposers.base import Draft
+from .proposers.base import Draft, Tree
 from .rounds import Request, Rounds
 
 if TYPE_CHECKING:
@@ -40,11 +41,12 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
     pattern = torch.randint(0, engine.vocab_size, (cap, 16), generator=g)
     prompts = pattern.repeat(1, context // 16 + 1)[:, :context].tolist()
     policy = FixedLength(engine.spec)  # drafts on demand, prefills the draft
-    batch = engine.new_batch(cap, context + m + 2, policy)
+    batch = engine.new_batch(cap, context + engine.spec.max_nodes + 2, policy)
     loop = Rounds(engine, batch, policy, [Request(p, i, 0, engine.sampling, i) for i, p in enumerate(prompts)],
                   [None] * cap)
     loop.admit(list(range(cap)))
     drafting = engine.spec.method == "draft_model"
+    trees = engine.spec.prompt_lookup.alignment_sampling if engine.spec.method == "prompt_lookup" else 0
     hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     profile = Profile(hardware=f"{hardware}, {next(engine.target.parameters()).dtype}")
 
@@ -70,12 +72,18 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
         reset(n)
         return t
 
-    def verify_seconds(n: int, width: int) -> float:
+    def verify_seconds(n: int, width: int, depth: int | None = None) -> float:
+        """A chain of width - 1 drafts; with `depth`, a tree of width - 1 nodes: a chain that deep, the rest
+        leaves under the root."""
         k = width - 1
         tokens = torch.randint(0, engine.vocab_size, (n, k), generator=g).to(dev)
         q = None if engine.sampling.greedy or not drafting else \
             torch.full((n, k, engine.vocab_size), 1.0 / engine.vocab_size, device=dev)
         draft = Draft(tokens, torch.full((n,), k, device=dev), q)
+        if depth is not None:
+            ar = torch.arange(k, device=dev)
+            parent, depths = torch.where(ar < depth, ar, 0), torch.where(ar < depth, ar + 1, 1)
+            draft.tree = Tree(parent[None].expand(n, k), depths[None].expand(n, k), depth)
 
         def run():
             loop.verify(n, draft, width, loop.uniforms(n))
@@ -95,6 +103,9 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
             if k and not every_width and not worth_timing(profile, b, k):
                 break
             target[w] = verify_seconds(n, w)
+        deep = max(target) - 1  # the longest chain that could win
+        if trees and deep:  # the widest tree of that depth: trees' widths lie between (specdec/costmodel.py)
+            target[1 + deep * (1 + trees)] = verify_seconds(n, 1 + deep * (1 + trees), deep)
 
     def prefill(runner, rows: int) -> float:
         return best(lambda: batch.prefill(runner, 0, rows))

@@ -123,7 +123,7 @@ class Rounds:
         limits = self.limits(n)
         t0 = self.e.clock()
         u = self.uniforms(n)  # [n, 2M + 1] or None: the draft's first M, the rule's M + 1
-        draft = b.proposer.propose(n, limits, None if u is None else u[:, : self.m])
+        draft = b.proposer.propose(n, limits, None if u is None else u[:, : self.m], self.policy.siblings)
         widths = self.e.widths if draft.tree is None else None  # a tree's forward is as wide as the tree
         k = draft.tokens.shape[1]
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # a width timed, not a K's cost
@@ -132,7 +132,7 @@ class Rounds:
         emitted += self.jump_forward(range(n))
         finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
         seconds = None if trial else self.e.clock() - t0
-        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds))
+        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, draft.host_depth))
         for i in reversed(np.flatnonzero(finished)):  # descending: the last active row is never a finished one
             self.retire(int(i))
         if self.on_round is not None:

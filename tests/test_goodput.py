@@ -217,3 +217,66 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
         assert r.draft_lengths[0] > 0
     if kind == "same":
         assert all(r.accepted_tokens == r.drafted_tokens > 0 for r in results)
+
+
+def tree_policy(width_cost, m: int = 8, s: int = 2, n: int = 8) -> GoodputLength:
+    """goodput for prompt lookup with alignment sampling s, on a profile whose target forward of width w costs
+    width_cost(w) at every bucket (drafting is free, as prompt lookup's is)."""
+    widths = range(1, m * (1 + s) + 2)
+    profile = Profile(draft_one={b: 0.0 for b in (1, 8)}, draft_two={b: 0.0 for b in (1, 8)},
+                      target={b: {w: width_cost(w) for w in widths} for b in (1, 8)})
+    spec = SpecConfig(method="prompt_lookup", max_draft_tokens=m, prompt_lookup={"alignment_sampling": s})
+    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64))
+    slots = Slots(n, "cpu")
+    pol.attach(slots)
+    slots.admit(0, n)
+    pol.emitted[:n] = np.arange(n)  # rows apart: round times alone decide
+    return pol
+
+
+def drive_trees(pol, n, width_cost, rate, fan, rounds, seed=0) -> list[tuple[int, int]]:
+    """Simulated tree rounds: a round of depth K with s siblings per node has ceil(K * fan[s]) nodes, costs
+    width_cost(1 + nodes) and passes each level with probability rate[s]; returns every round's (K, s)."""
+    gen = np.random.default_rng(seed)
+    chosen = []
+    for _ in range(rounds):
+        k = pol.plan(BatchView(n, 0))
+        s = pol.siblings
+        nodes = int(np.ceil(k * fan[s]))
+        accepted = np.cumprod(gen.random((n, max(k, 1))) < rate[s], axis=1)[:, :k].sum(1)
+        pol.observe(RoundResult(n, np.full(n, nodes), accepted, np.zeros(n, dtype=bool), width_cost(1 + nodes),
+                                np.full(n, k) if s and k else None))
+        chosen.append((k, s))
+    return chosen
+
+
+RATE, FAN = {0: 0.6, 1: 0.65, 2: 0.7}, {0: 1.0, 1: 1.5, 2: 2.0}
+
+
+@pytest.mark.parametrize("per_token,want", [
+    (0.01, 2),  # width almost free (a GPU at small batch): the widest trees, K = 8 (2.76 tokens/s vs chains' 2.29)
+    (0.25, 0),  # width costs a quarter of a plain round per token (a CPU): chains (K = 2: 1.31 vs trees' 1.13)
+])
+def test_goodput_chooses_tree_width_from_measured_costs(per_token, want):
+    cost = lambda w: 1.0 + per_token * (w - 1)  # noqa: E731
+    pol = tree_policy(cost)
+    chosen = drive_trees(pol, 8, cost, RATE, FAN, 300)
+    later = chosen[100:]
+    assert sum(1 for k, s in later if s == want and k > 0) >= 0.85 * len(later)
+    if want == 0:  # chains, at the best chain length
+        tokens = expected_tokens(np.array([RATE[0]]), 8)[0]
+        best = max(range(9), key=lambda k: tokens[k] / cost(k + 1))
+        assert [k for k, _ in later].count(best) >= 0.75 * len(later)
+
+
+def test_tree_rounds_count_levels_not_nodes():
+    """A tree round's acceptance is its accepted path against its depth: 4 levels of 8 nodes that pass at 0.7
+    per level estimate 0.7, not the 0.35 that accepted / nodes would say; the nodes per level are measured."""
+    pol = tree_policy(lambda w: 1.0)
+    gen = np.random.default_rng(1)
+    pol.siblings = 2
+    for _ in range(300):
+        accepted = np.cumprod(gen.random((8, 4)) < 0.7, axis=1).sum(1)
+        pol.observe(RoundResult(8, np.full(8, 8), accepted, np.zeros(8, dtype=bool), None, np.full(8, 4)))
+    assert pol.rates(8).mean() == pytest.approx(0.7, abs=0.03)
+    assert pol.fan[2][0] / pol.fan[2][1] == pytest.approx(2.0, abs=0.02)

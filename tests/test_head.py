@@ -101,7 +101,8 @@ def test_train_head_cli_and_policy_is_lossless(tmp_path, tiny_pair):
         res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=4).generate(prompts)
         assert [r.token_ids for r in res] == [r.token_ids for r in ref]
         lengths = [d for r in res for d in r.draft_lengths]  # rounds near max_new may be cut shorter
-        want = 2 if threshold == 0.3 else 4  # 1 - 0.5^2 = 0.75 > 0.3; 1 - 0.5^3 <= 0.9 < 1 - 0.5^4
+        # 1 - 0.5^2 = 0.75 > 0.3; 1 - 0.5^3 <= 0.9 < 1 - 0.5^4; then the token the last fed forward drew, free
+        want = (2 if threshold == 0.3 else 4) + 1
         assert max(lengths) == want and lengths.count(want) > 0.7 * len(lengths)
 
 
@@ -129,10 +130,13 @@ def test_proposing_head_is_lossless_and_saves_the_extra_draft_forward(tmp_path):
         res = SpecEngine(make_pair(target, draft), sp, spec, batch_size=1).generate(prompts)
         assert [r.token_ids for r in res] == [r.token_ids for r in ref]
         full = [(r.draft_forwards, r.rounds) for r in res]
-        assert all(d == 2 for r in res for d in r.draft_lengths[:-1])  # 1 - 0.5^2 > 0.3: the 2-token minimum
+        # 1 - 0.5^2 > 0.3: the 2-token minimum; the fed head's third forward also draws a third token, which
+        # SpecDec++ proposes (its free token)
+        want = 3 if reads == "fed" else 2
+        assert all(d == want for r in res for d in r.draft_lengths[:-1])
         forwards[reads] = sum(f for f, _ in full) / sum(n for _, n in full)
-    # at batch 1 a 2-token round costs 2 draft forwards (catch-up + one step); the fed head needs a third
-    # (rounds cut short by max_new_tokens need fewer)
+    # at batch 1 a 2-token round costs 2 draft forwards (catch-up + one step); the fed head needs a third,
+    # for a third token (rounds cut short by max_new_tokens need fewer)
     assert forwards["proposing"] == pytest.approx(2.0, abs=0.15)
     assert forwards["fed"] - forwards["proposing"] > 0.75
 
@@ -168,3 +172,11 @@ def test_proposing_head_starts_from_the_draft_confidence():
     p = head.p_accept(proposing_features(torch.randn(200, 32, generator=g) * 5, q))
     assert torch.equal(p.argsort(), q.argsort())
     assert torch.allclose(p, q / (1 + q), atol=1e-6)  # sigmoid(log q)
+
+
+def test_acceptance_head_rounds_reach_specdecpp_length_unless_set(tmp_path):
+    """SpecDec++ bounds a round at 20 drafts: the head policy gets that bound unless max_draft_tokens is set."""
+    head = {"path": _flat_head(str(tmp_path / "h"), "fed")}
+    assert SpecConfig(draft_length="acceptance_head", acceptance_head=head).max_draft_tokens == 20
+    assert SpecConfig(draft_length="acceptance_head", acceptance_head=head, max_draft_tokens=6).max_draft_tokens == 6
+    assert SpecConfig().max_draft_tokens == 8

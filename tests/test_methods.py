@@ -122,10 +122,11 @@ def test_conditional_limits_and_beta(target, repeating, greedy):
     assert [r.token_ids for r in strict] == greedy  # beta >= 1: only the argmax passes
     assert all(r.verification == "conditional" for r in strict)
     flat = tiny_llama(seed=0, init=0.02)  # flat distributions: a non-argmax token has a real probability
-    rates = [rate(generate(flat, None, repeating, method="prompt_lookup", prompt_lookup={"alignment_sampling": 2},
-                           verification="conditional", conditional={"alpha": 0.0, "beta": beta}))
-             for beta in (0.0, 0.01, 1.0)]
-    assert rates[0] > rates[1] > rates[2], rates
+    runs = [generate(flat, None, repeating, method="prompt_lookup", prompt_lookup={"alignment_sampling": 2},
+                     verification="conditional", conditional={"alpha": 0.0, "beta": beta}) for beta in (0.0, 0.01, 1.0)]
+    # a tree's acceptance: levels accepted per round (accepted / nodes shrinks with the tree's width)
+    per_round = [sum(r.accepted_tokens for r in out) / sum(r.rounds for r in out) for out in runs]
+    assert per_round[0] > per_round[2] and per_round[0] >= per_round[1] >= per_round[2], per_round
 
 
 def test_config_names_the_moved_and_inconsistent_keys():
@@ -140,3 +141,34 @@ def test_config_names_the_moved_and_inconsistent_keys():
     with pytest.raises(ValidationError, match="alignment_sampling"):
         SpecConfig(method="prompt_lookup", prompt_lookup={"alignment_sampling": 4})
     assert SpecConfig().verification == "lossless"  # relaxed verification is opt-in
+
+
+def test_pool_merges_every_occurrence_into_one_tree():
+    """The paper's pool: the continuations of every occurrence of the matched n-gram merge into one tree,
+    shared prefixes once, the latest occurrence's chain first; s bounds the siblings per node, 0 the chain."""
+    from types import SimpleNamespace
+    from specdec.config import PromptLookupConfig
+    from specdec.proposers.prompt_lookup import PromptLookupProposer
+
+    tokens = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]  # "1 2" is followed by 3 9 1 / 4 9 1 / 3 5 1
+    prop = PromptLookupProposer(SimpleNamespace(rows=[SimpleNamespace(tokens=tokens)], capacity=1),
+                                PromptLookupConfig(alignment_sampling=2))
+    prop.admit(0, 1)
+
+    def tree(k, s):
+        toks, parents, depths, _ = prop._row(0, k, s)
+        return list(zip(toks, parents, depths))
+
+    assert tree(3, 0) == [(3, 0, 1), (5, 1, 2), (1, 2, 3)]  # the latest occurrence alone
+    assert tree(3, 2) == [(3, 0, 1), (5, 1, 2), (1, 2, 3),  # latest
+                          (4, 0, 1), (9, 4, 2), (1, 5, 3),  # the middle one: a new branch at the root
+                          (9, 1, 2), (1, 7, 3)]  # the first: shares "3" with the latest, branches below it
+    assert tree(2, 1) == [(3, 0, 1), (5, 1, 2), (4, 0, 1), (9, 3, 2)]  # 1 sibling per node, 2 * 2 nodes at most
+
+
+@pytest.mark.parametrize("bs", [1, 8])
+def test_aasd_under_goodput_is_target_greedy(target, repeating, greedy, bs):
+    """goodput choosing K and the tree width per round, over the merged pool and alignment siblings: lossless."""
+    out = generate(target, None, repeating, bs, method="prompt_lookup", draft_length="goodput",
+                   prompt_lookup={"alignment_sampling": 2})
+    assert [r.token_ids for r in out] == greedy

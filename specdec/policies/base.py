@@ -2,7 +2,8 @@
 
 Before every round the engine shows a policy the batch (`BatchView`) and asks how many tokens each
 row may draft: one int for every row (the common case) or an array per row (0 = no speculation; the
-engine clips to `max_draft_tokens` and to each row's room). After the round's one read-back it shows
+engine clips to `max_draft_tokens` and to each row's room); a drafter of token trees reads how wide
+from the policy's `siblings` after `plan`. After the round's one read-back it shows
 what happened (`RoundResult`). A policy owns its state: what it learns lives on the policy (one per
 engine, so it outlives batches), what it keeps per row lives in the batch's `Slots`, registered by
 `attach` and reset there when rows join.
@@ -46,9 +47,14 @@ class BatchView:
 class RoundResult:
     n: int
     drafted: np.ndarray  # [n] tokens each row proposed (tree nodes, for token trees)
-    accepted: np.ndarray  # [n] of them accepted
+    accepted: np.ndarray  # [n] of them accepted (a tree's: the accepted path's depth)
     finished: np.ndarray  # [n] bool: rows that leave the batch after this round
     seconds: float | None  # the round's time from plan to read-back; None: no sample of its length's cost
+    depth: np.ndarray | None = None  # [n] a token tree's depth per row (None: chains, whose depth is `drafted`)
+
+    @property
+    def depths(self) -> np.ndarray:
+        return self.drafted if self.depth is None else self.depth
 
 
 class DraftStopper:
@@ -67,6 +73,7 @@ class DraftStopper:
 class LengthPolicy:
     needs_costs: ClassVar[bool] = False  # built with the engine's cost model (`SpecEngine.measure_costs`)
     stopper: DraftStopper | None = None
+    siblings: int | None = None  # a token tree's most siblings per node in the planned round (None: as configured)
 
     def __init__(self, spec: SpecConfig, env: PolicyEnv | None = None):
         self.spec = spec

@@ -11,6 +11,12 @@ the choice, 0 and the runner-up, if within `retime_within` of it; the most promi
 slow sample cannot lock a choice in; each re-timing that confirms the choice doubles the wait. A length is
 also charged for the admissions it brings on: rows decoding in step finish and join in one prefill
 call, speculation spreads them and each then joins alone (the call's fixed cost, and a draft prefill).
+
+Token trees (prompt lookup with alignment sampling s > 0): the choice is K and how wide, 0..s
+siblings per node. A width's rounds verify more nodes (measured: nodes per level of depth) at the
+cost of that width (the cost model), and pass more levels (measured: its acceptance against all
+rounds'); trees run where width is cheap enough to pay for what it adds, chains or plain rounds
+elsewhere. A tree round's acceptance counts its accepted path against its depth, not its nodes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class _Probe:
 
     bucket: int
     before: int  # the choice when it began
-    k: int
+    k: int  # the choice it times (an index of `GoodputLength.scores`)
     wanted: int = 2
     left: int = 3
 
@@ -46,6 +52,7 @@ class GoodputLength(LengthPolicy):
     # spreading their finish also leaves slots idle at the end of a batch and rows joining one by one
     step_margin = 0.15
     kept = 8  # finished rows' lengths and admission sizes averaged
+    width_weight = 16.0  # tested tokens the pair's rate is worth in the estimate of a tree width's rate
 
     def __init__(self, spec, env):
         super().__init__(spec, env)
@@ -58,6 +65,12 @@ class GoodputLength(LengthPolicy):
         self.groups: dict[bool, list[int]] = {False: [], True: []}  # rows per admission, after plain / drafting rounds
         self.last: int | None = None  # the K of the last round
         self.probe: _Probe | None = None
+        # token trees (prompt lookup with alignment sampling): 0..s siblings per node, chosen with K
+        most = spec.prompt_lookup.alignment_sampling if spec.method == "prompt_lookup" else 0
+        self.widths = list(range(most + 1))
+        self.by_width = {s: [0.0, 0.0] for s in self.widths}  # s -> accepted, tested in rounds of s siblings
+        self.fan = {s: [8.0 * (1 + s / 2), 8.0] for s in self.widths}  # s -> nodes, levels drafted (prior 1 + s/2)
+        self.siblings = 0 if most else None
 
     def attach(self, slots) -> None:
         self.accepted = slots.add_host("goodput_accepted", dtype=np.float64)
@@ -87,28 +100,50 @@ class GoodputLength(LengthPolicy):
 
         return per_token(False), per_token(True)
 
+    def lift(self, s: int) -> tuple[float, float]:
+        """Rounds of s siblings per node: their per-token acceptance over all rounds' (shrunk towards 1 by
+        `width_weight` tested tokens), and the tested tokens it rests on (1 and all: chains only)."""
+        if len(self.widths) == 1:
+            return 1.0, np.inf
+        pair = self.pair[0] / self.pair[1]
+        acc, tested = self.by_width[s]
+        return (acc + self.width_weight * pair) / (tested + self.width_weight) / pair, tested
+
     def scores(self, view: BatchView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per K: the batch's expected tokens, their standard deviation, and the round's predicted seconds with
-        the admissions it brings on (nan where the cost model cannot say)."""
+        """Per choice c = s * (top + 1) + K (K drafts, s siblings per node): the batch's expected tokens, their
+        standard deviation, and the round's predicted seconds with the admissions it brings on (nan where
+        the cost model cannot say; K = 0 only at s = 0)."""
         n, top = view.n, self.spec.max_draft_tokens
-        a = np.clip(self.rates(n), 0.0, 0.999)[:, None]  # [n, 1]
         k = np.arange(top + 1)[None, :]  # [1, K]
-        slope = np.cumsum(k * a ** np.maximum(k - 1, 0), axis=1)  # d tokens / d a
-        sd_rate = np.sqrt(a * (1 - a) / (self.tested[:n, None] + self.row_weight + 1))
-        tokens, sd = expected_tokens(a[:, 0], top).sum(0), np.sqrt(((slope * sd_rate) ** 2).sum(0))
         plain, drafting = self.joining(view)
-        return tokens, sd, self.costs.seconds(n, top) + tokens * np.where(k[0] > 0, drafting, plain)
+        parts = []
+        for s in self.widths:
+            lift, tested = self.lift(s)
+            a = np.clip(self.rates(n) * lift, 0.0, 0.999)[:, None]  # [n, 1]
+            slope = np.cumsum(k * a ** np.maximum(k - 1, 0), axis=1)  # d tokens / d a
+            sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n, None], tested) + self.row_weight + 1))
+            tokens, sd = expected_tokens(a[:, 0], top).sum(0), np.sqrt(((slope * sd_rate) ** 2).sum(0))
+            fan = self.fan[s][0] / self.fan[s][1]
+            cost = self.costs.seconds(n, top, s, fan) + tokens * np.where(k[0] > 0, drafting, plain)
+            if s:
+                cost[0] = np.nan  # no drafts: a plain round, counted at s = 0
+            parts.append((tokens, sd, cost))
+        return tuple(np.concatenate(x) for x in zip(*parts))
+
+    def split(self, c: int) -> tuple[int, int]:
+        """Choice index -> (K, s)."""
+        return c % (self.spec.max_draft_tokens + 1), c // (self.spec.max_draft_tokens + 1)
 
     def choose(self, view: BatchView) -> int:
         n, b, costs = view.n, bucket(view.n), self.costs
         probe = self.probe
         if probe is not None and probe.bucket == b and probe.wanted > 0 and probe.left > 0:
             probe.left -= 1
-            return probe.k
+            return self.take(probe.k)
         tokens, sd, cost = self.scores(view)
         known = np.flatnonzero(~np.isnan(cost))
         if not len(known):
-            return 0
+            return self.take(0)
         best = best_length(tokens, cost)
         mean, hope = tokens / cost, (tokens + self.optimism * sd) / cost
         ranked = [best] + sorted((int(k) for k in known if k != best), key=lambda k: hope[k], reverse=True)
@@ -119,17 +154,26 @@ class GoodputLength(LengthPolicy):
         in_step = self.in_step(n)
         if in_step and best and mean[best] < (1 + self.step_margin) * mean[0]:
             best = 0  # a small gain does not pay for putting rows out of step (see step_margin)
-        self.best[b] = best
+        self.best[b] = best  # a choice index (0: no speculation)
         if best == 0 and in_step and costs.profile.prefill_fixed > 0:
-            return best  # a probe would put rows that share their admissions out of step for good
+            return self.take(best)  # a probe would put rows that share their admissions out of step for good
         wait = self.wait.get(b, self.refresh)
-        near = {best - 1, best + 1, 0, *ranked[1:2]}
-        for k in ranked[1:]:
-            stale = costs.rounds - costs.stamp.get((b, k), 0) > wait
-            if k in near and stale and hope[k] >= self.retime_within * mean[best]:
-                self.probe = _Probe(b, best, k)
-                return k
-        return best
+        k_best, s_best = self.split(best)
+        near = {best - 1, best + 1, 0, *ranked[1:2], *(best + (s - s_best) * (self.spec.max_draft_tokens + 1)
+                                                       for s in self.widths)}  # the same K at other widths
+        for c in ranked[1:]:
+            stale = costs.rounds - costs.stamp.get((b, *self.split(c)), 0) > wait
+            if c in near and stale and hope[c] >= self.retime_within * mean[best]:
+                self.probe = _Probe(b, best, c)
+                return self.take(c)
+        return self.take(best)
+
+    def take(self, c: int) -> int:
+        """Plan choice c: its K (returned) and its siblings per node."""
+        k, s = self.split(c)
+        if self.siblings is not None:
+            self.siblings = s
+        return k
 
     def drafts_soon(self, view: BatchView) -> bool:
         b = bucket(view.n)
@@ -143,20 +187,27 @@ class GoodputLength(LengthPolicy):
         return self.choose(view)
 
     def observe(self, r: RoundResult) -> None:
-        n = r.n
-        k = int(r.drafted.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
+        n, depth = r.n, r.depths
+        k = int(depth.max()) if n else 0  # what ran: rows near max_new_tokens draft less than asked
+        s = self.siblings or 0 if k else 0
+        width = int(r.drafted.max()) + 1 if r.depth is not None and n else None  # a tree's: its nodes
         # the first drafting round after plain ones also feeds the draft every token those emitted: no sample
         if r.seconds is not None and n and not (k and self.last == 0):
-            self.costs.observe(n, k, r.seconds)
-            if self.probe is not None and (self.probe.bucket, self.probe.k) == (bucket(n), k):
+            self.costs.observe(n, k, r.seconds, s, width)
+            if self.probe is not None and (self.probe.bucket, *self.split(self.probe.k)) == (bucket(n), k, s):
                 self.probe.wanted -= 1
         self.last = k
         self.emitted[:n] += r.accepted + 1
         if k:
-            tested = r.accepted + (r.accepted < r.drafted)  # the first rejected token was tested too
+            tested = r.accepted + (r.accepted < depth)  # the first rejected level was tested too
             self.accepted[:n] += r.accepted
             self.tested[:n] += tested
             self.pair[0] += float(r.accepted.sum())
             self.pair[1] += float(tested.sum())
+            self.by_width[s][0] += float(r.accepted.sum())
+            self.by_width[s][1] += float(tested.sum())
+            if s:
+                self.fan[s][0] += float(r.drafted.sum())
+                self.fan[s][1] += float(depth.sum())
         for i in np.flatnonzero(r.finished):
             keep_last(self.lengths, float(self.emitted[i]), self.kept)

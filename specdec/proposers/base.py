@@ -36,6 +36,7 @@ class Draft:
     raw_q: torch.Tensor | None = None  # [n, T, vocab]
     host_tokens: np.ndarray | None = None  # [n, T] `tokens` on the host, where the proposer has them
     allowed: torch.Tensor | None = None  # [n, T+1, vocab] bool: the output formats' masks (specdec/grammar.py)
+    host_depth: np.ndarray | None = None  # [n] host: each row's depth (None: chains, whose depth is `lengths`)
 
     @property
     def depth(self) -> int:
@@ -60,9 +61,10 @@ class Proposer:
         prefill_top]: the target's top ids at each prompt position, from its prefill; `drafting`: whether
         the next round drafts (if not, a drafter may defer work for these rows)."""
 
-    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:
         """Draft up to limits[i] tokens for row i of [0, n) (a host array); `u` [n, max_draft_tokens]: the
-        uniforms of rows that sample (None when all are greedy)."""
+        uniforms of rows that sample (None when all are greedy); `siblings`: a token tree's most siblings per
+        node this round (None: the configured most; drafters of chains ignore it)."""
         return Draft.empty(n, self.batch.device)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:

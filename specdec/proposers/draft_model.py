@@ -6,7 +6,9 @@ speculation, the whole row if it joined while the policy was not drafting), then
 forward. Rows whose policy stopped them keep riding along in the batch forward (their extra tokens
 are not proposed), so the whole batch stays one tensor. What the draft cache holds of each row is
 host state (`d_len`), updated from the round's read-back: drafting never waits on the device, unless
-the policy stops rows on the draft's outputs (its `stopper`).
+the policy stops rows on the draft's outputs (its `stopper`). A stopper that reads the state after a
+token was fed back (SpecDec++'s head) decides once that forward ran, and its logits give the row's
+next token for free: the row proposes it too, as SpecDec++'s reference does.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class DraftModelProposer(Proposer):
         tokens_in = b.seq[:n].gather(1, idx.clamp(max=b.max_len - 1))
         return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
 
-    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:
         b, stop = self.batch, self.stopper
         k_max = int(limits.max()) if n else 0
         self.fed_len[:n] = self.d_len[:n]
@@ -79,6 +81,7 @@ class DraftModelProposer(Proposer):
         grammar = b.constraints if b.constraints is not None and b.constraints.rows(n) else None
         tokens, qs, raws, drawn = [], [], [], []
         bad = torch.zeros(n, dtype=torch.bool, device=b.device)  # non-finite draft logits (the row fails)
+        free = None  # rows a stopper reading fed states stopped: the forward that fed their token drew one more
         for step in range(k_max):
             bad |= ~torch.isfinite(logits).all(-1)
             if grammar is not None:  # constrained rows draw from their masked logits (q is that distribution)
@@ -95,7 +98,8 @@ class DraftModelProposer(Proposer):
             if self.raw_q:
                 raws.append(torch.softmax(logits.float(), dim=-1))
             if stop is not None:
-                lengths += active
+                lengths += active if free is None else active | free
+                free = None
                 token_prob = q.gather(1, x[:, None]).squeeze(1) if q is not None else None
                 active &= limits_dev > step + 1
                 if not stop.after_feed:
@@ -110,9 +114,9 @@ class DraftModelProposer(Proposer):
             forwards += 1
             self.fed_len[:n] = lens + step + 1
             if stop is not None and stop.after_feed:  # e.g. the acceptance head reads h after x was fed
-                active &= stop.keep(step, token_prob, h)
-                if not bool(active.any()):
-                    break
+                keep = stop.keep(step, token_prob, h)
+                free = active & ~keep  # SpecDec++ keeps the token this forward draws for them: the next step's
+                active &= keep
         k = len(tokens)
         if grammar is not None:
             grammar.rollback(n)

@@ -1,16 +1,19 @@
 """Prompt lookup decoding, and AASD's alignment-sampled token trees (Wang et al.).
 
 Each row keeps a pool mapping every n-gram (n = 1..`max_ngram`) of its prompt and output to the
-position that follows its latest occurrence, updated as tokens are accepted (`NgramPool.extend`: the
-n-grams ending at each new token, never a rescan). The draft is the continuation of the longest suffix
-n-gram that hits (down to `min_ngram`).
+positions that follow each of its occurrences, updated as tokens are accepted (`NgramPool.extend`: the
+n-grams ending at each new token, never a rescan). Plain prompt lookup drafts the continuation of the
+latest occurrence of the longest suffix n-gram that hits (down to `min_ngram`).
 
-Alignment sampling (`alignment_sampling` = s > 0): the target's prefill keeps its top s + 1 ids at
-every prompt position. Where a token retrieved from the prompt is not the target's top choice there,
-up to s of those top ids join the draft as siblings of that token (leaves sharing its parent): the
-draft becomes a token tree (specdec/trees.py). Prompt-retrieved tokens and siblings are `relaxed`
-(conditional verification may pass them); tokens retrieved from generated text stay strict.
-Deterministic either way: q is a point mass on each node.
+AASD (`alignment_sampling` = s > 0) makes the draft a token tree (specdec/trees.py) with at most s
+siblings per node (the length policy may ask for fewer in a round: `siblings`, 0 = the chain alone)
+and at most (1 + s) nodes per level of depth. The continuations of every occurrence merge into one
+tree, shared prefixes once, the latest occurrence's chain first (the paper's pool). Then alignment
+sampling: the target's prefill keeps its top s + 1 ids at every prompt position; where a node
+retrieved from the prompt is not the target's top choice there, those top ids join as its siblings,
+within the budget. Prompt-retrieved nodes and siblings are `relaxed` (conditional verification may
+pass them); tokens retrieved from generated text stay strict. Deterministic either way: q is a point
+mass on each node.
 """
 
 from __future__ import annotations
@@ -27,28 +30,29 @@ if TYPE_CHECKING:
 
 
 class NgramPool:
-    """The n-grams of one row's tokens, each mapped to the index that follows its latest occurrence."""
+    """The n-grams of one row's tokens, each mapped to the indices that follow its occurrences (latest last)."""
 
     def __init__(self, max_ngram: int, min_ngram: int):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.index: dict[tuple[int, ...], int] = {}
+        self.index: dict[tuple[int, ...], list[int]] = {}
         self.upto = 0  # n-grams ending before token upto - 1 are indexed (each needs a follower)
 
     def extend(self, tokens: list[int]) -> None:
         """Index the n-grams that ended before the last token and are not indexed yet."""
         for end in range(max(self.upto - 1, 0), len(tokens) - 1):  # n-grams ending at `end`, followed by end + 1
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                self.index[tuple(tokens[end - n + 1 : end + 1])] = end + 1
+                self.index.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end + 1)
         self.upto = len(tokens)
 
-    def lookup(self, tokens: list[int], k: int) -> int | None:
-        """Where the draft starts: the follower of the longest suffix of `tokens` seen earlier (None if none)."""
+    def lookup(self, tokens: list[int]) -> list[int]:
+        """Where drafts start: the followers of every earlier occurrence of the longest suffix of `tokens` that
+        occurred before, latest first (empty if none)."""
         self.extend(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            start = self.index.get(tuple(tokens[len(tokens) - n :]))
-            if start is not None:
-                return start
-        return None
+            starts = self.index.get(tuple(tokens[len(tokens) - n :]))
+            if starts:
+                return starts[::-1]
+        return []
 
 
 class PromptLookupProposer(Proposer):
@@ -67,32 +71,56 @@ class PromptLookupProposer(Proposer):
             self.prompt_len[slot] = len(row.tokens)
             self.top[slot] = None if target_top is None else target_top[slot - start, : len(row.tokens) - 1]
 
-    def _row(self, slot: int, k: int) -> tuple[list[int], list[int], list[int], list[bool]]:
-        """Row `slot`'s draft of at most k chain tokens: tokens, parents, depths, relaxed flags (chain first,
-        then alignment siblings)."""
+    def _row(self, slot: int, k: int, s: int) -> tuple[list[int], list[int], list[int], list[bool]]:
+        """Row `slot`'s draft of depth at most k with at most s siblings per node: tokens, parents, depths,
+        relaxed flags of its nodes (the latest occurrence's chain first)."""
         tokens = self.batch.rows[slot].tokens
-        start = self.pools[slot].lookup(tokens, k) if k > 0 else None
-        if start is None:
+        starts = self.pools[slot].lookup(tokens) if k > 0 else []
+        if not starts:
             return [], [], [], []
-        chain = tokens[start : start + k]
         plen, top = self.prompt_len[slot], self.top[slot]
-        toks, parents, depths = list(chain), list(range(len(chain))), list(range(1, len(chain) + 1))
-        relaxed = [start + i < plen for i in range(len(chain))]
-        if top is not None:
-            for i, x in enumerate(chain):
-                at = start + i - 1  # the prompt position whose prediction is token start + i
-                if not 0 <= at < len(top) or top[at, 0] == x:
+        toks, parents, depths, relaxed, src = [], [], [], [], []
+        children: dict[int, dict[int, int]] = {0: {}}  # node -> its children's tokens -> node
+        budget = k * (1 + s)
+
+        def add(token: int, parent: int, at: int | None) -> int:
+            toks.append(token)
+            parents.append(parent)
+            depths.append(depths[parent - 1] + 1 if parent else 1)
+            relaxed.append(at is None or at < plen)  # prompt-retrieved, or an alignment sibling
+            src.append(at)
+            children[parent][token] = len(toks)
+            children[len(toks)] = {}
+            return len(toks)
+
+        for j, start in enumerate(starts if s else starts[:1]):  # every occurrence's continuation, merged
+            if len(toks) >= budget:
+                break  # a full tree takes no more: later occurrences would only walk it
+            node = 0
+            for at in range(start, min(start + k, len(tokens))):
+                x = tokens[at]
+                if x in children[node]:
+                    node = children[node][x]
                     continue
-                siblings = [int(t) for t in top[at] if t != x][: self.cfg.alignment_sampling]
-                toks += siblings
-                parents += [i] * len(siblings)
-                depths += [i + 1] * len(siblings)
-                relaxed += [True] * len(siblings)
+                if len(toks) >= budget or (j and len(children[node]) > s):
+                    break
+                node = add(x, node, at)
+        if top is not None and s:  # alignment sampling on the prompt-retrieved nodes
+            for i, at in enumerate(list(src)):
+                if at is None or not 0 <= at - 1 < len(top) or top[at - 1, 0] == toks[i]:
+                    continue  # top[at - 1]: the target's choices at the prompt position that predicts token `at`
+                parent = parents[i]
+                for t in top[at - 1].tolist():
+                    if len(toks) >= budget or len(children[parent]) > s:
+                        break
+                    if t not in children[parent]:
+                        add(int(t), parent, None)
         return toks, parents, depths, relaxed
 
-    def propose(self, n: int, limits: np.ndarray, u=None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, u=None, siblings: int | None = None) -> Draft:
         b = self.batch
-        rows = [self._row(i, int(limit)) for i, limit in enumerate(limits.tolist())]
+        s = self.cfg.alignment_sampling if siblings is None else min(siblings, self.cfg.alignment_sampling)
+        rows = [self._row(i, int(limit), s) for i, limit in enumerate(limits.tolist())]
         t = max((len(r[0]) for r in rows), default=0)
         # one host array, one copy: lengths, then tokens, parents, depths and relaxed flags
         host = np.zeros((n, 1 + 4 * t), dtype=np.int64)
@@ -104,10 +132,11 @@ class PromptLookupProposer(Proposer):
                 host[i, 1 + j * t : 1 + j * t + m] = values
         both = b.to_device(host)
         tokens, parent, depth, relaxed = (both[:, 1 + j * t : 1 + (j + 1) * t] for j in range(4))
-        branched = self.prefill_top and any(len(r[0]) > (max(r[2]) if r[2] else 0) for r in rows)
-        max_depth = max((max(r[2]) for r in rows if r[2]), default=0)
-        tree = Tree(parent, depth, max_depth, host[:, 1 + t : 1 + 2 * t]) if branched else None
-        return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool(), host_tokens=host[:, 1 : 1 + t])
+        row_depth = np.array([max(r[2], default=0) for r in rows], dtype=np.int64)
+        branched = bool((host[:, 0] > row_depth).any())
+        tree = Tree(parent, depth, int(row_depth.max(initial=0)), host[:, 1 + t : 1 + 2 * t]) if branched else None
+        return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool(), host_tokens=host[:, 1 : 1 + t],
+                     host_depth=row_depth if branched else None)
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked

@@ -74,6 +74,7 @@ class GenerationWorker:
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
             tp, self.layout = start(target, spec.resources)
         self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
+        faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
@@ -135,6 +136,7 @@ class GenerationWorker:
                                                    [params[i] for i in todo])))
         if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
+        faults.gate("process")  # test hook: wait for a test to release or kill this process
         rows = []
         for i, rec in enumerate(records):
             r = results[i]

@@ -144,8 +144,10 @@ class Pool:
             m = pending[ref]
             try:
                 info = ray.get(ref)
-            except RayActorError:  # dropped while loading (`lost`)
-                continue
+            except RayActorError as exc:
+                if "creation task" in str(exc):  # its constructor raised: Ray does not restart it
+                    raise JobError(f"a worker failed to start: {cause(exc)}") from None
+                continue  # dropped while loading (`lost`)
             except RayError as exc:
                 raise JobError(f"a worker failed to start: {cause(exc)}") from None
             m.ready, m.node, m.name = None, info["node"], info["name"]

@@ -163,3 +163,58 @@ def test_a_worker_node_removed_mid_job(cluster, tiny_pair, reference, tmp_path, 
     summary = summary_of(log)
     assert summary["nodes_lost"] == 1 and summary["shards_retried"] >= 1, summary
     assert summary["workers_added_mid_job"] >= (1 if replace else 0), summary
+
+
+def test_the_driver_killed_then_rerun_resumes_from_committed_parts(cluster, tiny_pair, reference, tmp_path,
+                                                                   monkeypatch):
+    """The driver SIGKILLed once one part is committed (another worker holding an uncommitted shard): its
+    workers go with it; the same command again commits only the missing parts."""
+    gate = Gate(tmp_path / "gate", monkeypatch)
+    path, _ = job(tmp_path, tiny_pair)
+    out = tmp_path / "out"
+    proc = run_cli(path, "--address", cluster.address)
+    try:
+        stopped = gate.wait(lambda s: len(s) == 2, proc)
+        (gate.folder / f"{min(stopped)}.process").unlink()  # one worker commits its part, the other stays held
+        gate.wait(lambda s: any(out.glob("part-*.parquet")), proc)
+        proc.kill()
+        proc.wait()
+        psutil.Process(max(stopped)).wait(timeout=60)  # Ray ends a dead driver's workers: the held one too
+    finally:
+        gate.open()
+    committed = len(list(out.glob("part-*.parquet")))
+    assert 0 < committed < ROWS // 3 and not (out / "_SUCCESS").exists()
+    summary = run(path, cluster.address)
+    assert summary["rows_from_earlier_runs"] == 3 * committed and summary["parts"] == ROWS // 3, summary
+    check(out, reference)
+
+
+def test_a_job_that_fails_before_its_first_part_leaves_the_output_as_it_found_it(cluster, tiny_pair, tmp_path):
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    path, _ = job(tmp_path, tiny_pair, models__target={"path": str(bad), "dtype": "float32"})
+    proc = run_cli(path, "--address", cluster.address)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0 and "a worker failed to start" in log, log
+    assert not (tmp_path / "out").exists(), list((tmp_path / "out").rglob("*"))
+
+
+def test_two_jobs_without_an_address_start_their_own_ray_and_both_finish(cluster, tiny_pair, reference, tmp_path,
+                                                                          monkeypatch):
+    """With this module's cluster running on the machine (a stranger's Ray), two jobs given no address each start
+    an embedded Ray of their own, never that cluster, and both finish; Ray's own log lines stay off the console."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        path, _ = job(tmp_path / name, tiny_pair, resources__num_workers=1)
+        runs.append(run_cli(path, "--json"))
+    logs = [p.communicate(timeout=400)[0] for p in runs]
+    cluster_nodes = {n.node_id for n in cluster.worker_nodes} | {cluster.head_node.node_id}
+    for name, proc, log in zip("ab", runs, logs):
+        assert proc.returncode == 0, log
+        check(tmp_path / name / "out", reference)
+        assert not set(parts_nodes(tmp_path / name / "out").values()) & cluster_nodes  # not the stranger's nodes
+        noise = [line for line in log.splitlines() if not line.startswith(("specbatch:", "{"))]
+        assert not noise, noise  # only our own lines on the console

@@ -4,13 +4,15 @@
 Exactly-once: a shard's rows are fixed by the input, its part is committed create-only under a name
 made from the shard number, and a re-run skips every part already present.
 
-Faults are Ray's to handle: workers are actors with unlimited restarts, and every call to one is
-retried up to `resources.max_retries` times if its process dies (SIGKILL, a lost node, a preemption),
-whether it was loading its models or halfway through a shard: Ray starts the process again, the
-constructor loads the models again, and the call runs again (a retried shard whose part was already
-committed returns that part). The driver adds what Ray cannot see: a worker that makes no progress
-for `resources.shard_timeout_s` is killed, which Ray then treats as any other death. A Python error in
-a worker (a bad model path, a permanent storage error) is not retried: it stops the job with its cause.
+Faults are Ray's to handle where Ray can: workers are actors with unlimited restarts, and every call to one
+is retried up to `resources.max_retries` times if its process dies (SIGKILL, OOM-killer), whether it was
+loading its models or halfway through a shard: Ray starts the process again, the constructor loads the
+models again, and the call runs again (a retried shard whose part was already committed returns that part).
+The driver adds what Ray cannot see: a worker that makes no progress for `resources.shard_timeout_s` is
+killed, which Ray then treats as any other death; a node that leaves the cluster (a preempted spot node)
+takes its workers with it, and their shards go back to the queue for the workers that remain, while the
+pool starts others where there is room (jobs/pool.py). A Python error in a worker (a bad model path, a
+permanent storage error) is not retried: it stops the job with its cause.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -29,7 +32,7 @@ from workers.spec import models_used
 from workers.storage import Storage, is_s3, open_storage
 
 from .manifest import MANIFEST, PART_KEYS, SUCCESS, JobError, prepare_output
-from .pool import Pool, Watchdog, cause, init_ray
+from .pool import NODE_POLL_S, Pool, Watchdog, cause, init_ray, ray_log_to
 from .progress import Progress
 from .spec import ConfigError, JobSpec
 
@@ -44,15 +47,48 @@ def run_job(spec: JobSpec, address: str | None = None, overwrite: bool = False, 
     summary. Unless `verbose`, the workers' own output (model loading, conversion progress, Ray's task
     messages) goes to log files (`worker_logs`)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
+    found = Found.look(spec.output.path, worker_logs_dir(spec))
     job = prepare(spec, overwrite, cluster=bool(address))
     prog = Progress(job.manifest["input"]["rows"], job.resumed, progress)
     try:
         if job.todo:
             with launch(job, address, log_level, verbose, prog.say) as pool:
                 dispatch(job, pool, prog)
+    except BaseException:
+        found.restore(job.storage)
+        raise
     finally:
         prog.close()
     return finish(job, prog)
+
+
+@dataclass
+class Found:
+    """What a run found at its output before it wrote anything: whether a manifest was there, and (a local output)
+    whether the output and logs folders were. A run that fails before any part is committed restores that."""
+
+    manifest: bool
+    logs: str | None  # a local logs folder that was not there
+    output: str | None  # a local output folder that was not there
+
+    @classmethod
+    def look(cls, path: str, logs: str) -> Found:
+        def new(folder: str) -> str | None:
+            return None if is_s3(path) or os.path.exists(folder) else folder
+
+        return cls(open_storage(path).exists(MANIFEST), new(logs), new(os.path.abspath(path)))
+
+    def restore(self, storage: Storage) -> None:
+        """If no part is there (none committed, by this run or any other), remove the manifest this run wrote and
+        the folders it made; otherwise leave everything: the parts are a resumable output."""
+        if any(n.endswith(".parquet") for n in storage.list("part-")):
+            return
+        if not self.manifest:
+            storage.delete(MANIFEST)
+        if self.logs and os.path.isdir(self.logs):
+            shutil.rmtree(self.logs)
+        if self.output and os.path.isdir(self.output) and not os.listdir(self.output):
+            os.rmdir(self.output)
 
 
 @dataclass
@@ -91,55 +127,73 @@ def prepare(spec: JobSpec, overwrite: bool = False, cluster: bool = False) -> Jo
 @contextlib.contextmanager
 def launch(job: Job, address: str | None, log_level: str = "warning", verbose: bool = False,
            say=print) -> Iterator[Pool]:
-    """Join the cluster at `address` or start an embedded Ray (then fetch the models here first: its workers
-    share this machine's cache), and start as many workers as there are shards to do, up to
-    `resources.num_workers`; on leaving, end the workers, and the Ray this started."""
+    """Join the cluster at `address` or start an embedded Ray of our own (then fetch the models here first: its
+    workers share this machine's cache), Ray's own log lines going to the logs folder; start workers for the
+    shards to do, up to `resources.num_workers`' max, and go on once its min have loaded their models; on
+    leaving, end the workers, and the Ray this started."""
     import ray
 
-    started = init_ray(address, log_level, verbose)
     job.worker_logs = None if verbose else worker_logs_dir(job.spec)
-    env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
-    env["SPECBATCH_LOG_LEVEL"] = log_level
-    if job.worker_logs:
-        env["SPECBATCH_WORKER_LOGS"] = job.worker_logs
-    pool = None
-    try:
-        if started:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ray_log_to(job.worker_logs and os.path.join(job.worker_logs, "driver-ray.log")))
+        if init_ray(address, log_level, verbose):
+            stack.callback(ray.shutdown)
             _prefetch(job.spec)
+        env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
+        env["SPECBATCH_LOG_LEVEL"] = log_level
+        if job.worker_logs:
+            env["SPECBATCH_WORKER_LOGS"] = job.worker_logs
         pool = Pool(job.spec.worker_spec(ray.cluster_resources().get("GPU", 0)), env, say)
-        pool.grow(min(job.spec.resources.num_workers, len(job.todo)))
+        stack.callback(pool.close)
+        pool.top_up(len(job.todo))
+        pool.wait_for(min(pool.limits[0], len(job.todo)))
         yield pool
-    finally:
-        if pool is not None:
-            pool.close()
-        if started:
-            ray.shutdown()
 
 
 def dispatch(job: Job, pool: Pool, prog: Progress) -> None:
     """Hand the shards still to do to idle workers, one each, until every shard's part is committed: a worker
-    is idle once started and again each time its part comes back, which goes into the manifest (saved every
-    MANIFEST_EVERY_S). A worker that dies costs its shard a retry (Ray's); one that makes no progress is killed
-    (`Watchdog`), which Ray takes as a death. A Python error in a worker stops the job with its cause."""
+    is idle once it has loaded its models and again each time its part comes back, which goes into the manifest
+    (saved every MANIFEST_EVERY_S). A worker that dies costs its shard a retry (Ray's); one that makes no
+    progress is killed (`Watchdog`), which Ray takes as a death; the workers of a node that left the cluster
+    are ended and their shards queued again. The pool grows as the cluster does (`Pool.top_up`). A Python error
+    in a worker stops the job with its cause."""
     import ray
 
-    inflight: dict = {}  # result ref -> (worker, shard)
-    idle = deque(pool.workers)
+    inflight: dict = {}  # result ref -> (Member, shard, the worker process it was given to)
+    idle = deque(pool.live())
     watch = Watchdog(job.spec.resources.shard_timeout_s, prog.say)
-    saved = time.monotonic()
+    saved = waiting = time.monotonic()
+    first = pool.loaded  # workers that loaded their models before the first shard
     while job.todo or inflight:
+        idle += pool.placed()
+        lost = pool.lost()
+        for ref, (m, shard, _) in list(inflight.items()):
+            if m in lost:  # its node is gone: the shard goes to another worker
+                del inflight[ref]
+                job.todo.appendleft(shard)
+                prog.retried += 1
+        idle = deque(m for m in idle if m not in lost)
+        pool.top_up(len(job.todo) + len(inflight))
+        prog.cluster(len(pool.live()), len(pool.lost_nodes), pool.started, pool.loaded - first)
         while idle and job.todo:
-            worker, shard = idle.popleft(), job.todo.popleft()
+            m, shard = idle.popleft(), job.todo.popleft()
             control = is_control(shard.index, job.spec.speculation.control_fraction)
-            inflight[worker.process.remote({**shard.to_dict(), "control": control})] = (worker, shard)
-        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=watch.poll_s)
+            inflight[m.actor.process.remote({**shard.to_dict(), "control": control})] = (m, shard, m.name)
+        if not inflight:  # every worker gone: wait for room for new ones
+            pool.placed(timeout=NODE_POLL_S)
+            pool.say_waiting(waiting)
+            continue
+        waiting = time.monotonic()
+        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=min(NODE_POLL_S, watch.poll_s or NODE_POLL_S))
         prog.hangs += watch.check(inflight)
         for ref in ready:
-            worker, shard = inflight.pop(ref)
+            m, shard, given_to = inflight.pop(ref)
             out = _part(ref, shard, job.spec.resources.max_retries)
             job.manifest["parts"][out["part"]] = {k: out[k] for k in PART_KEYS}
+            prog.retried += out["worker"] != given_to  # its process died and Ray ran the shard again
+            m.name, m.node = out["worker"], out["node"]
             prog.add(out)
-            idle.append(worker)
+            idle.append(m)
         if time.monotonic() - saved > MANIFEST_EVERY_S:  # not per part: that is quadratic in parts
             job.save(prog.elapsed())
             saved = time.monotonic()

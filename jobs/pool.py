@@ -1,21 +1,30 @@
-"""The job's workers on Ray: joining a cluster or starting an embedded one, the worker actors (a placement
-group each for a tensor-parallel target), and the watchdog that restarts a worker that stopped making progress.
+"""The job's workers on Ray: joining a cluster or starting an embedded one of our own, the worker actors (a
+placement group each for a tensor-parallel target) as an elastic pool that follows the cluster's nodes, and the
+watchdog that restarts a worker that stopped making progress.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from workers.spec import WorkerSpec
 
 from .manifest import JobError
 
+NODE_POLL_S = 1.0  # how often the pool looks at the cluster's nodes and free resources
+WAIT_SAY_S = 30.0  # how long workers may wait for room before the driver says so (and again every so often)
+
 
 def init_ray(address: str | None, level: str = "warning", verbose: bool = False) -> bool:
-    """Join the cluster at `address`, or start an embedded local one; True if we started it."""
+    """Join the cluster at `address`, or start an embedded local Ray of our own (never a cluster that happens to
+    run on this machine: another job's); True if we started it."""
     import ray
 
     if ray.is_initialized():
@@ -24,14 +33,49 @@ def init_ray(address: str | None, level: str = "warning", verbose: bool = False)
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=os.cpu_count(), **kwargs)
+        ray.init(address="local", num_cpus=os.cpu_count(), **kwargs)
     return True
+
+
+@contextlib.contextmanager
+def ray_log_to(path: str | None):
+    """Send Ray's own log lines in this process (its warnings, such as the token-authentication notice) to the
+    file `path`, created on the first line, instead of the console; None: leave them."""
+    ray_logger = logging.getLogger("ray")
+    before = ray_logger.handlers[:]
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handler = logging.FileHandler(path, delay=True)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        ray_logger.handlers = [handler]
+    try:
+        yield
+    finally:
+        if path:
+            ray_logger.handlers = before
+            handler.close()
+
+
+@dataclass(eq=False)
+class Member:
+    """A worker actor of the pool: `ready` is its constructor's answer to wait for (None once it has loaded its
+    models); `node` and `name` (host:pid) are those of its current process."""
+
+    actor: Any
+    group: Any  # its placement group's scheduling strategy (tensor parallel), else None
+    ready: Any
+    node: str | None = None
+    name: str | None = None
 
 
 class Pool:
     """The job's worker actors, each loading its models once and then serving shards. Restarts are unlimited,
-    and each call is retried `resources.max_retries` times when its process dies (jobs/driver.py). `grow(n)`
-    starts n more; `close()` ends them all."""
+    and each call is retried `resources.max_retries` times when its process dies (jobs/driver.py).
+
+    Elastic between `resources.num_workers`' (min, max): `top_up` starts workers up to max (those not placed yet
+    wait: demand an autoscaler sees), or, for `auto`, as many as the free resources fit; `placed` returns those
+    that have loaded their models; `lost` ends the workers of nodes that left the cluster, whose restarts could
+    wait forever, so that their shards go to the others."""
 
     def __init__(self, spec: WorkerSpec, env: dict[str, str], say=print):
         import ray
@@ -40,46 +84,142 @@ class Pool:
 
         res = spec.resources
         self.spec, self.say = spec, say
+        self.limits = res.worker_limits()
         self.actor = ray.remote(GenerationWorker)
         self.options = dict(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker, max_restarts=-1,
                             max_task_retries=res.max_retries, max_concurrency=2, runtime_env={"env_vars": env})
-        self.workers: list = []
-        self.groups: list = []  # placement groups, tensor parallel only
+        ranks = spec.models.target.tensor_parallel
+        self.shape = {k: v * ranks for k, v in (("CPU", res.cpus_per_worker), ("GPU", res.gpus_per_worker)) if v}
+        self.members: list[Member] = []
+        self.started = self.loaded = 0  # workers started, and those that loaded their models (replacements included)
+        self.nodes = self._alive_nodes()
+        self.lost_nodes: set[str] = set()  # nodes that left the cluster while the job ran
+        self.checked = time.monotonic()
+        self.waiting_since: float | None = None
 
-    def grow(self, n: int) -> list:
-        """Start n workers: their placement groups first (waited on together), then the actors; returns them once
-        each has loaded its models, and raises JobError, with the cause, if one cannot start at all."""
+    def live(self) -> list[Member]:
+        return [m for m in self.members if m.ready is None]
+
+    def start(self, n: int) -> None:
+        """Start n workers, without waiting for them (`placed` returns them once they have loaded their models)."""
+        for _ in range(max(0, n)):
+            group = self._placement()
+            actor = self.actor.options(**self.options, **({"scheduling_strategy": group} if group else {}))
+            actor = actor.remote(self.spec)
+            self.members.append(Member(actor, group, actor.ready.remote()))
+            self.started += 1
+
+    def top_up(self, work: int) -> None:
+        """Start workers for `work` shards (to do and in flight): up to max; for `auto`, once every started one is
+        placed, as many more as the cluster's free resources fit (at least `min`)."""
+        lo, hi = self.limits
+        if hi is None:
+            if any(m.ready is not None for m in self.members):
+                return
+            hi = max(lo, len(self.members) + self.room())
+        self.start(min(hi, work) - len(self.members))
+
+    def room(self) -> int:
+        """How many more workers the cluster's free resources fit (summed over nodes: a tensor-parallel group that
+        needs one node with room for all its ranks may still wait)."""
         import ray
-        from ray.exceptions import RayError
 
-        groups = [self._placement() for _ in range(n)]
-        self.groups += [g for g in groups if g is not None]
-        self._wait_for_groups(groups)
-        new = [self.actor.options(**self.options, **({"scheduling_strategy": g} if g else {})).remote(self.spec)
-               for g in groups]
-        self.workers += new
-        for w in new:
+        free = ray.available_resources()
+        return min((math.floor(free.get(k, 0) / v + 1e-9) for k, v in self.shape.items()), default=0)
+
+    def placed(self, timeout: float = 0.0) -> list[Member]:
+        """The workers that finished loading their models since the last call (waiting up to `timeout` for one);
+        raises JobError, with the cause, for a worker whose constructor failed (a bad model, a config that does
+        not fit): that is no fault a restart mends."""
+        import ray
+        from ray.exceptions import RayActorError, RayError
+
+        pending = {m.ready: m for m in self.members if m.ready is not None}
+        if not pending:
+            return []
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0) if done else (done, None)
+        new = []
+        for ref in done:
+            m = pending[ref]
             try:
-                ray.get(w.ready.remote())
+                info = ray.get(ref)
+            except RayActorError as exc:
+                if "creation task" in str(exc):  # its constructor raised: Ray does not restart it
+                    raise JobError(f"a worker failed to start: {cause(exc)}") from None
+                continue  # dropped while loading (`lost`)
             except RayError as exc:
                 raise JobError(f"a worker failed to start: {cause(exc)}") from None
-        for w in new:
-            layout = ray.get(w.group_layout.remote())
-            if layout:
-                self.say(f"specbatch: worker {self.workers.index(w)}: {describe_group(layout)}")
+            m.ready, m.node, m.name = None, info["node"], info["name"]
+            if m.group is not None:
+                layout = ray.get(m.actor.group_layout.remote())
+                self.say(f"specbatch: worker {m.name}: {describe_group(layout)}")
+            new.append(m)
+        self.loaded += len(new)
         return new
 
-    def close(self) -> None:
+    def wait_for(self, n: int) -> list[Member]:
+        """Wait until n workers have loaded their models (saying so while they wait for room); returns them."""
+        t0 = time.monotonic()
+        while len(self.live()) < n:
+            self.placed(timeout=NODE_POLL_S)
+            self.say_waiting(t0)
+        return self.live()
+
+    def say_waiting(self, since: float) -> None:
+        """Say, every WAIT_SAY_S, what the workers not placed yet wait for."""
         import ray
 
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:
-                pass
-        for g in self.groups:
-            ray.util.remove_placement_group(g.placement_group)
-        self.workers, self.groups = [], []
+        now = time.monotonic()
+        waiting = len(self.members) - len(self.live())
+        if not waiting or now - since < WAIT_SAY_S or now - (self.waiting_since or 0) < WAIT_SAY_S:
+            return
+        self.waiting_since = now
+        ranks = self.spec.models.target.tensor_parallel
+        bundle = {k: v / ranks for k, v in self.shape.items()}
+        print(f"specbatch: {waiting} of {len(self.members)} workers wait for a node with room for "
+              f"{f'{ranks} x ' if ranks > 1 else ''}{bundle} (cluster now: {ray.cluster_resources()})...",
+              file=sys.stderr, flush=True)
+
+    def lost(self) -> list[Member]:
+        """The workers on nodes that left the cluster since the last look (at most every NODE_POLL_S), and those not
+        placed yet (they may have been waiting on such a node), ended and out of the pool."""
+        now = time.monotonic()
+        if now - self.checked < NODE_POLL_S:
+            return []
+        self.checked = now
+        alive = self._alive_nodes()
+        gone, self.nodes = self.nodes - alive, alive
+        if not gone:
+            return []
+        self.lost_nodes |= gone
+        dropped = [m for m in self.members if m.node in gone or m.ready is not None]
+        for m in dropped:
+            self._end(m)
+        self.members = [m for m in self.members if m not in dropped]
+        return dropped
+
+    def close(self) -> None:
+        for m in self.members:
+            self._end(m)
+        self.members = []
+
+    @staticmethod
+    def _alive_nodes() -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+    @staticmethod
+    def _end(m: Member) -> None:
+        import ray
+
+        try:
+            ray.kill(m.actor, no_restart=True)
+        except Exception:
+            pass
+        if m.group is not None:
+            ray.util.remove_placement_group(m.group.placement_group)
 
     def _placement(self):
         """For a tensor-parallel target: a placement group of one bundle per rank ({CPU: cpus_per_worker, GPU:
@@ -94,21 +234,6 @@ class Pool:
         bundle = {"CPU": res.cpus_per_worker, **({"GPU": res.gpus_per_worker} if res.gpus_per_worker else {})}
         group = placement_group([bundle] * ranks, strategy="STRICT_PACK", name="")
         return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-
-    def _wait_for_groups(self, groups: list) -> None:
-        """Say so when the placement groups are not all placed within 30 s (the cluster has no node with room for
-        a whole group yet: an autoscaler may be adding one); the workers start when they are."""
-        import ray
-
-        placed = [g.placement_group for g in groups if g is not None]
-        if not placed:
-            return
-        ready, _ = ray.wait([g.ready() for g in placed], num_returns=len(placed), timeout=30)
-        if len(ready) < len(placed):
-            ranks, bundle = self.spec.models.target.tensor_parallel, placed[0].bundle_specs[0]
-            print(f"specbatch: {len(placed) - len(ready)} of {len(placed)} workers wait for a node with room for "
-                  f"{ranks} x {bundle} (models.target.tensor_parallel {ranks}; cluster: {ray.cluster_resources()})"
-                  "...", file=sys.stderr, flush=True)
 
 
 def describe_group(layout: list[dict]) -> str:
@@ -131,15 +256,15 @@ class Watchdog:
         self.answered: dict[int, float] = {}  # worker -> when it last answered
 
     def check(self, inflight: dict) -> int:
-        """Ask the busy workers (`inflight`: result ref -> (worker, shard)) how long since their last progress, at
-        most every `poll_s`; returns how many it killed."""
+        """Ask the busy workers (`inflight`: result ref -> (Member, shard, ...)) how long since their last progress,
+        at most every `poll_s`; returns how many it killed."""
         import ray
 
         now = time.monotonic()
         if not self.timeout_s or now - self.last_check < self.poll_s:
             return 0
         self.last_check = now
-        busy = {id(w): (w, s) for w, s in inflight.values()}
+        busy = {id(m.actor): (m.actor, s) for m, s, *_ in inflight.values()}
         asks = {w.progress.remote(): key for key, (w, _) in busy.items()}
         done, _ = ray.wait(list(asks), num_returns=len(asks), timeout=min(10.0, self.poll_s))
         stuck = {key: 0.0 for key in busy}

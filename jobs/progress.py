@@ -31,6 +31,9 @@ class Progress:
         self.paths: set[str] = set()  # how workers ran their steps
         self.workers: set[str] = set()  # worker processes that committed parts (restarts are new ones)
         self.hangs = 0
+        self.retried = 0  # shards run again: their worker's process died, or its node left the cluster
+        self.live = self.nodes_lost = self.workers_started = self.workers_added = 0
+        self.postfix: dict[str, str] = {}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -49,10 +52,18 @@ class Progress:
         self.drafted += res["drafted_tokens"]
         self.accepted += res["accepted_tokens"]
         self.bar.update(res["rows"])
-        postfix = {"job tok/s": f"{self.tokens / max(1e-9, self.elapsed()):.1f}"}
+        self.postfix["job tok/s"] = f"{self.tokens / max(1e-9, self.elapsed()):.1f}"
         if self.drafted:
-            postfix["accept"] = f"{self.accepted / self.drafted:.2f}"
-        self.bar.set_postfix(postfix, refresh=False)
+            self.postfix["accept"] = f"{self.accepted / self.drafted:.2f}"
+        self.bar.set_postfix(self.postfix, refresh=False)
+
+    def cluster(self, live: int, nodes_lost: int, started: int, added: int) -> None:
+        """The pool as it stands: workers live (shown on the bar), nodes lost, workers started so far, and those that
+        loaded their models once shards were under way (on nodes that joined, replacements)."""
+        if live != self.live:
+            self.postfix["workers"] = str(live)
+            self.bar.set_postfix(self.postfix)
+        self.live, self.nodes_lost, self.workers_started, self.workers_added = live, nodes_lost, started, added
 
     def say(self, text: str) -> None:
         """A line above the bar."""
@@ -74,6 +85,10 @@ class Progress:
             "errors_by_reason": error_counts(manifest),
             "worker_processes": len(self.workers),
             "workers_killed_for_no_progress": self.hangs,
+            "workers_started": self.workers_started,
+            "workers_added_mid_job": self.workers_added,
+            "nodes_lost": self.nodes_lost,
+            "shards_retried": self.retried,
             "generated_tokens": self.tokens,
             "job_tokens_per_s": rate(self.tokens, dt) or 0.0,
             "worker_tokens_per_s": rate(self.tokens, self.worker_s),

@@ -79,30 +79,36 @@ def test_a_worker_dying_mid_shard_costs_a_retry_not_a_row(tmp_path, tiny_pair, r
     check(tmp_path, reference, 24)
 
 
-def test_workers_sigkilled_ten_times_during_a_job(tmp_path, tiny_pair, reference, ray_session):
-    """SIGKILL of a worker process at random moments of its life (loading its models, generating,
-    committing), ten times: Ray restarts it and retries its shard; the job completes with every row once."""
-    path, _ = chaos_config(tmp_path, tiny_pair, 480, resources__max_retries=20)  # long enough for 10 kills
-    kills: list[str] = []  # what each killed process was doing (Ray's process title)
+def test_workers_sigkilled_ten_times_during_a_job(tmp_path, tiny_pair, reference, ray_session, monkeypatch):
+    """SIGKILL of a worker process ten times, alternately while it loads its models (loaded, not ready yet) and
+    while it works on a shard (generated, not committed): Ray restarts it and retries its shard; the job
+    completes with every row once. Workers wait at a gate (workers/faults.py) until this test has killed or
+    released them, so the ten kills happen however fast the machine is."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("SPECBATCH_FAULT_GATE", str(gate))
+    path, _ = chaos_config(tmp_path, tiny_pair, 48, resources__max_retries=20)
+    kills: list[str] = []  # the phase of each killed process
     done = threading.Event()
-    rng = random.Random(0)
 
     def chaos():
-        """Alternately kill a worker while it loads its models and while it works on a shard, at a random
-        moment of that phase (Ray titles the process after the method it runs)."""
-        while not done.is_set() and len(kills) < 10:
-            phase = "__init__" if len(kills) % 2 == 0 else ".process"
-            victims = [p for p in worker_processes() if phase in " ".join(_cmdline(p))]
-            if not victims:
-                time.sleep(0.02)
-                continue
-            time.sleep(rng.uniform(0.0, 0.5))
-            try:
-                doing = " ".join(victims[0].cmdline())
-                victims[0].send_signal(signal.SIGKILL)
-                kills.append(doing)
-            except psutil.Error:
-                pass
+        """At each worker stopped at the gate: kill it if it is in the phase whose turn it is, else release it."""
+        try:
+            while not done.is_set() and len(kills) < 10:
+                for stop in sorted(gate.iterdir()):
+                    pid, _, phase = stop.name.partition(".")
+                    if not pid.isdigit() or phase not in ("init", "process"):
+                        continue
+                    proc = psutil.Process(int(pid))
+                    if len(kills) < 10 and phase == ("init", "process")[len(kills) % 2]:
+                        assert proc in worker_processes(), _cmdline(proc)  # a real worker process
+                        proc.send_signal(signal.SIGKILL)
+                        proc.wait(timeout=30)
+                        kills.append(phase)
+                    stop.unlink()
+                time.sleep(0.01)
+        finally:
+            (gate / "open").touch()  # the workers left go on undisturbed
 
     thread = threading.Thread(target=chaos)
     thread.start()
@@ -111,12 +117,9 @@ def test_workers_sigkilled_ten_times_during_a_job(tmp_path, tiny_pair, reference
     finally:
         done.set()
         thread.join()
-    assert len(kills) >= 10, f"the job ended after {len(kills)} kills"
-    loading = sum("__init__" in k for k in kills)
-    working = sum(".process" in k for k in kills)
-    assert loading >= 3 and working >= 3, kills
-    assert summary["rows_committed"] == 480
-    check(tmp_path, reference, 480)
+    assert kills == ["init", "process"] * 5
+    assert summary["rows_committed"] == 48
+    check(tmp_path, reference, 48)
 
 
 def test_driver_sigkilled_five_times_then_rerun(tmp_path, tiny_pair, reference):

@@ -5,6 +5,10 @@ reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook i
   file MARKER), so a fault fires once per test even across worker restarts. Names: `EXIT_IN_INIT` (a worker
   dies while loading its models), `EXIT_ONCE` (dies mid-shard, before committing), `HANG_ONCE` (stops making
   progress), `RANK_EXIT` (rank 1 of a tensor-parallel group dies at its 5th step).
+- `SPECBATCH_FAULT_GATE=DIR`: `gate(phase)` stops a worker at a point of its life (`init`: models loaded, not
+  ready yet; `process`: a shard generated, not committed) until a test has looked at it: it writes
+  `DIR/<pid>.<phase>` (holding its Ray node's id) and waits until that file is gone (the test removed it, or killed the process);
+  `DIR/open` turns the gate off.
 - `SPECBATCH_FAULT_OOM_ROWS=N`: `oom_rows()`; a worker's batches of more than N rows run out of memory.
 - `SPECBATCH_STORAGE_FAULTS="put:2,get:1"`: `storage(kind)` is true for the next N storage calls of that kind
   (put, get, head, list, delete) in this process, which then fail as a transient error would (workers/storage.py).
@@ -13,6 +17,7 @@ reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook i
 from __future__ import annotations
 
 import os
+import time
 
 _storage_left: dict[str, int] | None = None  # storage faults still to fire in this process, by kind
 
@@ -27,6 +32,29 @@ def once(name: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def gate(phase: str) -> None:
+    """Wait at the gate SPECBATCH_FAULT_GATE for a test to release (or kill) this process."""
+    folder = os.environ.get("SPECBATCH_FAULT_GATE")
+    if not folder or os.path.exists(os.path.join(folder, "open")):
+        return
+    stop = os.path.join(folder, f"{os.getpid()}.{phase}")
+    with open(stop + ".tmp", "w") as f:
+        f.write(_node_id())
+    os.rename(stop + ".tmp", stop)  # seen whole or not at all
+    while os.path.exists(stop) and not os.path.exists(os.path.join(folder, "open")):
+        time.sleep(0.01)
+
+
+def _node_id() -> str:
+    """This process's Ray node (hex), or '' outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() or ""
+    except Exception:
+        return ""
 
 
 def oom_rows() -> int:

@@ -8,7 +8,9 @@ A field that changes how fast a job runs but never its output rows is marked `NE
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from specdec.config import Config, ModelsConfig, ModelSource, SamplingParams, SpecConfig
 
@@ -18,8 +20,19 @@ from .outputs import OutputSpec
 NEUTRAL = {"output_neutral": True}  # json_schema_extra of an output-neutral field
 
 
+class WorkerRange(Config):
+    """`resources.num_workers: {min, max}`: start once `min` workers are placed, grow to `max`."""
+
+    min: int
+    max: int
+
+
 class ResourcesSpec(Config):
-    num_workers: int = Field(1, ge=1, description="worker actors", json_schema_extra=NEUTRAL)
+    num_workers: int | Literal["auto"] | WorkerRange = Field(
+        1, description="worker actors: N; `{min: N, max: M}`: the job starts once N are placed and adds workers up "
+        "to M as nodes join (those not placed yet wait as demand an autoscaler can see), carrying on with fewer "
+        "when nodes leave; `auto`: as many as the cluster's free CPUs/GPUs fit, rechecked as nodes come and go",
+        json_schema_extra={**NEUTRAL, "one_row": True})
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (a worker with one runs on "
                                           "it); null: 1 where the Ray cluster has GPUs, else 0",
                                           json_schema_extra=NEUTRAL)
@@ -40,6 +53,28 @@ class ResourcesSpec(Config):
     group_timeout_s: float = Field(1800.0, gt=0, description="how long the ranks of a tensor-parallel worker wait "
                                    "for each other, to meet and in any call among them (torch.distributed's "
                                    "timeout), before the worker is restarted", json_schema_extra=NEUTRAL)
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, value):
+        """One clear message for every bad form (pydantic would list one per form of the union)."""
+        form = "write N (1 or more), auto, or {min: N, max: M} with 1 <= N <= M"
+        if isinstance(value, dict):
+            lo, hi = value.get("min"), value.get("max")
+            if set(value) != {"min", "max"} or not all(type(v) is int for v in (lo, hi)) or not 1 <= lo <= hi:
+                raise ValueError(f"{value!r} is not a range of workers: {form}")
+        elif value != "auto" and (type(value) is not int or value < 1) and not isinstance(value, WorkerRange):
+            raise ValueError(f"{value!r} is not a number of workers: {form}")
+        return value
+
+    def worker_limits(self) -> tuple[int, int | None]:
+        """(min, max) of `num_workers`: N is (N, N), `auto` is (1, None): as many as fit."""
+        n = self.num_workers
+        if n == "auto":
+            return 1, None
+        if isinstance(n, WorkerRange):
+            return n.min, n.max
+        return n, n
 
     def gpus(self, cluster_gpus: float) -> float:
         """GPUs each worker asks Ray for: `gpus_per_worker` as set, else one where the cluster has any."""

@@ -74,6 +74,7 @@ class GenerationWorker:
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
             tp, self.layout = start(target, spec.resources)
         self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
+        faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
@@ -81,12 +82,14 @@ class GenerationWorker:
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.node = _node_id()
         self.device_name = device_name(self.engine.device)
         self._control = None
         self._last_progress = time.monotonic()
 
-    def ready(self) -> str:
-        return self.name
+    def ready(self) -> dict:
+        """Where this worker's process runs: its `name` (host:pid) and Ray `node` id."""
+        return {"name": self.name, "node": self.node}
 
     def group_layout(self) -> list[dict] | None:
         """Where a tensor-parallel worker's ranks run (node, GPUs, weight bytes); None for one process."""
@@ -133,6 +136,7 @@ class GenerationWorker:
                                                    [params[i] for i in todo])))
         if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
+        faults.gate("process")  # test hook: wait for a test to release or kill this process
         rows = []
         for i, rec in enumerate(records):
             r = results[i]
@@ -151,7 +155,7 @@ class GenerationWorker:
             **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
             "control": shard.control, "device": self.device_name,
             "wall_s": time.perf_counter() - t0,
-            "worker": self.name,
+            "worker": self.name, "node": self.node,
             "step_path": self.engine.step_path,
             "peak_gpu_bytes": self._peak_gpu_bytes(),
         }
@@ -210,6 +214,13 @@ def _group_guard():
     except GroupBroken as exc:
         print(f"specbatch: {exc}; restarting the worker's whole group", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _free_memory() -> None:

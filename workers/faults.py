@@ -6,6 +6,9 @@ reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook i
   dies while loading its models), `EXIT_ONCE` (dies mid-shard, before committing), `HANG_ONCE` (stops making
   progress), `RANK_EXIT` (rank 1 of a tensor-parallel group dies at its 5th step).
 - `SPECBATCH_FAULT_OOM_ROWS=N`: `oom_rows()`; a worker's batches of more than N rows run out of memory.
+- `SPECBATCH_FAULT_FASTPATH=raise|nan`: `install_engine_hooks()` (in each worker) makes the first step of every
+  shape on the fast path fail (raise: capture or compilation fails; nan: non-finite logits), through
+  specdec/graphs.py's `fault` hook; on CPU the worker then takes the static steps, to have them fail.
 - `SPECBATCH_STORAGE_FAULTS="put:2,get:1"`: `storage(kind)` is true for the next N storage calls of that kind
   (put, get, head, list, delete) in this process, which then fail as a transient error would (workers/storage.py).
 """
@@ -32,6 +35,15 @@ def once(name: str) -> bool:
 def oom_rows() -> int:
     """N of SPECBATCH_FAULT_OOM_ROWS (0: off)."""
     return int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))
+
+
+def install_engine_hooks() -> None:
+    """Set specdec's own hooks from this process's environment (SPECBATCH_FAULT_FASTPATH)."""
+    mode = os.environ.get("SPECBATCH_FAULT_FASTPATH")
+    if mode:
+        from specdec import graphs
+
+        graphs.fault = lambda key: mode
 
 
 def storage(kind: str) -> bool:

@@ -61,6 +61,7 @@ class GenerationWorker:
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
+        faults.install_engine_hooks()
         self.spec = spec
         device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
         used = models_used(spec.models, spec.speculation)

@@ -127,12 +127,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _one_process(spec, command: str):
+    """The spec, if its target loads in one process; a tensor-parallel target is refused, naming what to do."""
+    tp = spec.models.target.tensor_parallel
+    if tp > 1:
+        raise ConfigError(
+            f"models.target.tensor_parallel: specbatch {command} loads the whole target in one process and does not "
+            f"run it over {tp} devices; run it on a machine whose one device holds the target, with "
+            f"--set models.target.tensor_parallel=1, or on a smaller target of the same family")
+    return spec
+
+
 def cmd_profile(args) -> int:
     """Measure the job's model pair on this machine (draft and target forward times per batch size and width,
     prefill) into a profile for `specbatch estimate`."""
     from .estimate import profile_job
 
-    prof = profile_job(load_spec(args.config, args.set), args.out)
+    prof = profile_job(_one_process(load_spec(args.config, args.set), "profile"), args.out)
     print(f"specbatch: profile of {prof.hardware} written to {args.out}")
     return 0
 
@@ -169,7 +180,7 @@ def cmd_train_head(args) -> int:
     """Train a SpecDec++ acceptance head for the job's draft/target pair on the job's prompts."""
     from .train_head import format_report, run_train_head
 
-    spec = load_spec(args.config, args.set)
+    spec = _one_process(load_spec(args.config, args.set), "train-head")
     report = run_train_head(spec, args.out, max_prompts=args.max_prompts, response_tokens=args.response_tokens,
                             epochs=args.epochs, layers=args.layers, threshold=args.threshold, w_rej=args.w_rej,
                             reads=args.reads, progress=not args.no_progress)
@@ -188,7 +199,7 @@ def cmd_calibrate(args) -> int:
 
     from .train_head import collect_prompts
 
-    spec = load_spec(args.config, args.set)
+    spec = _one_process(load_spec(args.config, args.set), "calibrate")
     if spec.models.draft is None:
         raise ConfigError("calibrate needs models.draft in the job config (FSD verifies a draft model's tokens)")
     pair = load_pair(localize(spec.models.target), localize(spec.models.draft))

@@ -16,6 +16,7 @@ import sys
 import time
 
 from specdec.config import SampleResult, SamplingParams, SpecConfig
+from specdec.memory import out_of_memory
 from specdec.stops import cut_at_stop
 
 from . import faults, logs
@@ -42,11 +43,6 @@ def device_name(device) -> str:
     return f"cpu: {model}"
 
 
-def out_of_memory(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
-
-
 class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
     hang checks."""
@@ -63,26 +59,31 @@ class GenerationWorker:
             os._exit(1)
         faults.install_engine_hooks()
         self.spec = spec
-        device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
         used = models_used(spec.models, spec.speculation)
         target = localize(used["models.target.path"])
-        tp, self.layout = None, None
+        tp, self.layout, batch_size = None, None, spec.resources.batch_size
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
+            from . import group
             from .fetch import local_snapshot
-            from .group import start
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
-            tp, self.layout = start(target, spec.resources)
+            tp, self.layout = group.start(target, spec.resources)  # binds this rank's GPU before CUDA starts
+            batch_size = group.batch_size_after_oom(batch_size)
+        device = ("cuda" if tp is None else str(tp.group.device)) if spec.use_gpu and torch.cuda.is_available() \
+            else "cpu"
         self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
         self.tokenizer = self.pair.tokenizer
-        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
+        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.device_name = device_name(self.engine.device)
+        # the devices this worker holds, every rank's: what its seconds are charged for (a fraction of a GPU too)
+        per_rank = spec.resources.gpus_per_worker if self.engine.device.type == "cuda" else 1
+        self.devices = target.tensor_parallel * per_rank
         self._control = None
         self._last_progress = time.monotonic()
 
@@ -150,7 +151,7 @@ class GenerationWorker:
             commit_jsonl(self.storage, shard.part, data, self.spec.models.target.path)
         return {
             **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
-            "control": shard.control, "device": self.device_name,
+            "control": shard.control, "device": self.device_name, "devices": self.devices,
             "wall_s": time.perf_counter() - t0,
             "worker": self.name,
             "step_path": self.engine.step_path,
@@ -171,7 +172,8 @@ class GenerationWorker:
                  params: list[SamplingParams]) -> list[SampleResult]:
         """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
-        fails, as an error row."""
+        fails, as an error row. In a tensor-parallel group, whose ranks are then out of step, the group restarts
+        and its worker comes back with half the batch size (workers/group.py)."""
         try:
             inject = faults.oom_rows()  # test hook: batches above N rows run out of memory
             if inject and min(engine.batch_size, len(prompts)) > inject:
@@ -180,6 +182,10 @@ class GenerationWorker:
         except Exception as exc:
             from specdec.tp import GroupBroken
 
+            if isinstance(exc, GroupBroken) and out_of_memory(exc):  # the group restarts, its batches halved
+                from .group import note_oom
+
+                note_oom()
             if isinstance(exc, GroupBroken) or not out_of_memory(exc):
                 raise
         _free_memory()

@@ -7,6 +7,7 @@
   specbatch estimate OUTPUT_PATH --profile profile.json [--batch-size B] [--draft-length recorded|none|fixed:K|goodput]
   specbatch train-head CONFIG.yaml --out DIR
   specbatch calibrate CONFIG.yaml [--prompts N] [--steps S] [--step F]
+  specbatch check [CONFIG.yaml] [--address ADDR] [--json]
   specbatch config-reference
 """
 
@@ -212,6 +213,24 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """Preflight a cluster (or this machine) before a job: on every node its devices and the job's model
+    sources; on workers of the job's shape their device, dtype, the weights' fit against the memory plan, one
+    step on each path compared with eager (tensor-parallel: a lock-step call and the all-reduce's bandwidth)
+    and the output prefix's storage. Prints a table; exits 0 when every check passes, 1 naming the failures."""
+    from .check import failures, run_check, table
+
+    spec = load_spec(args.config, args.set) if args.config else None
+    rows = run_check(spec, args.address, args.log_level)
+    print(json.dumps(rows) if args.json else table(rows))
+    bad = failures(rows)
+    if bad:
+        print("specbatch: check failed: " + "; ".join(f"{r['where']}: {r['check']}: {r['result']}" for r in bad),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_reference(args) -> int:
     """Print the config reference (every key, its default and what it does) as a markdown table."""
     print("| key | default | meaning |\n|---|---|---|")
@@ -297,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--json", action="store_true")
     est.add_argument("--date", help=DATE_HELP)
     est.set_defaults(fn=cmd_estimate)
+    chk = sub.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
+    chk.add_argument("config", nargs="?", help="the job's config (without one: the cluster's nodes and devices)")
+    chk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--address", help="a Ray cluster to check (default: RAY_ADDRESS, else this machine)")
+    chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    chk.set_defaults(fn=cmd_check)
     ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
     ref.set_defaults(fn=cmd_reference)
     args = ap.parse_args(argv)

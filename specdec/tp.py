@@ -18,6 +18,7 @@ call leaves the ranks out of step: `GroupBroken` says the group must be rebuilt 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,10 @@ class Group:
             dist.destroy_process_group()
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """What an all-reduce of `dtype` sums in: bf16 and float32 as they are (bf16 has float32's range: half the
     bytes on the wire), anything else in float32 (float16 could overflow)."""
@@ -148,6 +153,20 @@ class Rank:
 
     def move_slots(self, key: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.runners[key].cache.move_slots(src, dst)
+
+    def all_reduce_probe(self, key: int, nbytes: int, dtype: torch.dtype) -> tuple[float, bool]:
+        """Every rank: all-reduce `nbytes` of `dtype` (once to warm, then timed 3 times); (seconds per
+        all-reduce, whether the sum came out right)."""
+        x = torch.ones(nbytes // _itemsize(dtype), dtype=dtype, device=self.group.device)
+        dist.all_reduce(x, group=self.group.data)
+        right = bool((x == self.group.world).all())
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(x, group=self.group.data)
+        sync()
+        return (time.perf_counter() - t0) / 3, right
 
     @torch.inference_mode()
     def serve(self, before: Callable[[str], None] | None = None) -> None:

@@ -90,6 +90,15 @@ class GenerationWorker:
     def ready(self) -> str:
         return self.name
 
+    def check(self) -> list[dict]:
+        """Preflight (`specbatch check`): this worker's devices, its engine's checks, its output's storage."""
+        from specdec.preflight import engine_checks, row
+
+        from .preflight import storage_probe
+
+        return ([row("worker devices", f"{self.devices:g} x {self.device_name}", True)]
+                + engine_checks(self.engine) + [storage_probe(self.spec.output.path)])
+
     def group_layout(self) -> list[dict] | None:
         """Where a tensor-parallel worker's ranks run (node, GPUs, weight bytes); None for one process."""
         return self.layout

@@ -15,13 +15,28 @@ from .spec import models_used
 from .storage import open_input, open_storage
 
 
+def device_name(device) -> str:
+    """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        model = platform.processor() or platform.machine()
+    return f"cpu: {model}"
+
+
 def node_checks(models=None, speculation=None) -> list[dict]:
     """This node's devices and, given the job's models, each model source it uses fetched into this node's
     cache (or found) here."""
     import torch
 
     from .fetch import localize, source_kind
-    from .worker import device_name
 
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -22,26 +22,11 @@ from specdec.stops import cut_at_stop
 from . import faults, logs
 from .fetch import localize
 from .inputs import Shard, read_shard, render_prompt
+from .preflight import device_name
 from .outputs import commit_jsonl, parquet_bytes, part_entry
 from .requests import interpret, settings
 from .spec import WorkerSpec, models_used
 from .storage import open_storage
-
-def device_name(device) -> str:
-    """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
-    import torch
-
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        model = platform.processor() or platform.machine()
-    return f"cpu: {model}"
-
 
 class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
@@ -95,7 +80,6 @@ class GenerationWorker:
         from specdec.preflight import engine_checks, row
 
         from .preflight import storage_probe
-
         return ([row("worker devices", f"{self.devices:g} x {self.device_name}", True)]
                 + engine_checks(self.engine) + [storage_probe(self.spec.output.path)])
 

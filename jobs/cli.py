@@ -7,6 +7,7 @@
   specbatch estimate OUTPUT_PATH --profile profile.json [--batch-size B] [--draft-length recorded|none|fixed:K|goodput]
   specbatch train-head CONFIG.yaml --out DIR
   specbatch calibrate CONFIG.yaml [--prompts N] [--steps S] [--step F]
+  specbatch check [CONFIG.yaml] [--address ADDR] [--json]
   specbatch config-reference
 """
 
@@ -127,12 +128,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _one_process(spec, command: str):
+    """The spec, if its target loads in one process; a tensor-parallel target is refused, naming what to do."""
+    tp = spec.models.target.tensor_parallel
+    if tp > 1:
+        raise ConfigError(
+            f"models.target.tensor_parallel: specbatch {command} loads the whole target in one process and does not "
+            f"run it over {tp} devices; run it on a machine whose one device holds the target, with "
+            f"--set models.target.tensor_parallel=1, or on a smaller target of the same family")
+    return spec
+
+
 def cmd_profile(args) -> int:
     """Measure the job's model pair on this machine (draft and target forward times per batch size and width,
     prefill) into a profile for `specbatch estimate`."""
     from .estimate import profile_job
 
-    prof = profile_job(load_spec(args.config, args.set), args.out)
+    prof = profile_job(_one_process(load_spec(args.config, args.set), "profile"), args.out)
     print(f"specbatch: profile of {prof.hardware} written to {args.out}")
     return 0
 
@@ -169,7 +181,7 @@ def cmd_train_head(args) -> int:
     """Train a SpecDec++ acceptance head for the job's draft/target pair on the job's prompts."""
     from .train_head import format_report, run_train_head
 
-    spec = load_spec(args.config, args.set)
+    spec = _one_process(load_spec(args.config, args.set), "train-head")
     report = run_train_head(spec, args.out, max_prompts=args.max_prompts, response_tokens=args.response_tokens,
                             epochs=args.epochs, layers=args.layers, threshold=args.threshold, w_rej=args.w_rej,
                             reads=args.reads, progress=not args.no_progress)
@@ -188,7 +200,7 @@ def cmd_calibrate(args) -> int:
 
     from .train_head import collect_prompts
 
-    spec = load_spec(args.config, args.set)
+    spec = _one_process(load_spec(args.config, args.set), "calibrate")
     if spec.models.draft is None:
         raise ConfigError("calibrate needs models.draft in the job config (FSD verifies a draft model's tokens)")
     pair = load_pair(localize(spec.models.target), localize(spec.models.draft))
@@ -198,6 +210,24 @@ def cmd_calibrate(args) -> int:
     k, points = calibrate(pair, prompts, spec.generation, spec.speculation, spec.resources.batch_size, args.steps,
                           args.step)
     print(format_points(k, points))
+    return 0
+
+
+def cmd_check(args) -> int:
+    """Preflight a cluster (or this machine) before a job: on every node its devices and the job's model
+    sources; on workers of the job's shape their device, dtype, the weights' fit against the memory plan, one
+    step on each path compared with eager (tensor-parallel: a lock-step call and the all-reduce's bandwidth)
+    and the output prefix's storage. Prints a table; exits 0 when every check passes, 1 naming the failures."""
+    from .check import failures, run_check, table
+
+    spec = load_spec(args.config, args.set) if args.config else None
+    rows = run_check(spec, args.address, args.log_level)
+    print(json.dumps(rows) if args.json else table(rows))
+    bad = failures(rows)
+    if bad:
+        print("specbatch: check failed: " + "; ".join(f"{r['where']}: {r['check']}: {r['result']}" for r in bad),
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -286,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     est.add_argument("--json", action="store_true")
     est.add_argument("--date", help=DATE_HELP)
     est.set_defaults(fn=cmd_estimate)
+    chk = sub.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
+    chk.add_argument("config", nargs="?", help="the job's config (without one: the cluster's nodes and devices)")
+    chk.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    chk.add_argument("--address", help="a Ray cluster to check (default: RAY_ADDRESS, else this machine)")
+    chk.add_argument("--json", action="store_true", help="print the rows as JSON")
+    chk.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    chk.set_defaults(fn=cmd_check)
     ref = sub.add_parser("config-reference", help=cmd_reference.__doc__, description=cmd_reference.__doc__)
     ref.set_defaults(fn=cmd_reference)
     args = ap.parse_args(argv)

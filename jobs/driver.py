@@ -139,7 +139,8 @@ def launch(job: Job, address: str | None, log_level: str = "warning", verbose: b
         if init_ray(address, log_level, verbose):
             stack.callback(ray.shutdown)
             _prefetch(job.spec)
-        env = {k: v for k, v in os.environ.items() if k.startswith("SPECBATCH_")}  # the cache folder, test hooks
+        # the cache folder, test hooks; NCCL's settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) reach every rank
+        env = {k: v for k, v in os.environ.items() if k.startswith(("SPECBATCH_", "NCCL_"))}
         env["SPECBATCH_LOG_LEVEL"] = log_level
         if job.worker_logs:
             env["SPECBATCH_WORKER_LOGS"] = job.worker_logs

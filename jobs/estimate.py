@@ -125,8 +125,8 @@ def estimate(rows: list[dict], manifest: dict, prof: Profile, batch_size: int, p
     raw = replay(rows, prof, batch_size, policy, top)
     own = replay(rows, prof, spec["resources"]["batch_size"], "recorded", top)
     real = measured(manifest)
-    devices = {p.get("device") for p in manifest["parts"].values()}
-    same = devices == {prof.hardware.split(",")[0]}
+    devices = {(p.get("device"), p.get("devices", 1)) for p in manifest["parts"].values()}
+    same = devices == {(prof.hardware.split(",")[0], 1)}  # a profile is of one process on one device
     scale = real["seconds"] / own["seconds"] if same and own["seconds"] and real["seconds"] else 1.0
     seconds = raw["seconds"] * scale
     return {**raw, "seconds": seconds, "tokens_per_s": raw["tokens"] / seconds if seconds else None,

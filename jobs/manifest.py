@@ -113,7 +113,8 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, file
     }
 
 
-PART_KEYS = ("rows", "sha256", "errors", *COUNTS, "control", "device", "worker", "node", "wall_s")  # a part's manifest entry
+PART_KEYS = ("rows", "sha256", "errors", *COUNTS, "control", "device", "devices", "worker", "node",
+             "wall_s")  # a part's manifest entry
 
 
 def error_counts(manifest: dict) -> dict[str, int]:

@@ -85,6 +85,8 @@ class Pool:
         res = spec.resources
         self.spec, self.say = spec, say
         self.limits = res.worker_limits()
+        if spec.models.target.tensor_parallel > 1 and res.gpus_per_worker > 0:  # ranks bind themselves (workers/group.py)
+            env = {**env, "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
         self.actor = ray.remote(GenerationWorker)
         self.options = dict(num_cpus=res.cpus_per_worker, num_gpus=res.gpus_per_worker, max_restarts=-1,
                             max_task_retries=res.max_retries, max_concurrency=2, runtime_env={"env_vars": env})
@@ -241,7 +243,10 @@ def describe_group(layout: list[dict]) -> str:
     nodes = sorted({r["node"] for r in layout})
     ranks = ", ".join(f"rank {r['rank']} {'GPU ' + ','.join(r['gpus']) if r['gpus'] else 'CPU'} "
                       f"({r['weight_bytes'] / (1 << 30):.2f} GiB of weights)" for r in layout)
-    return f"{len(layout)} tensor-parallel ranks on node {', '.join(nodes)}: {ranks}"
+    nccl = " ".join(f"{k}={v}" for k, v in sorted(layout[0].get("nccl", {}).items())
+                    if all(r.get("nccl", {}).get(k) == v for r in layout))
+    return f"{len(layout)} tensor-parallel ranks on node {', '.join(nodes)}: {ranks}" + (f"; every rank has {nccl}"
+                                                                                         if nccl else "")
 
 
 class Watchdog:

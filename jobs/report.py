@@ -74,6 +74,15 @@ class Figures:
         return dict(out)
 
     @property
+    def device_s(self) -> dict[str, float]:
+        """Device-seconds of the parts, by device: a worker's seconds times the devices it holds (a
+        tensor-parallel group's every rank, a fraction of a GPU): what a price per device-hour charges."""
+        out: dict[str, float] = defaultdict(float)
+        for p in self.parts:
+            out[p["device"]] += (p["wall_s"] or 0.0) * p["devices"]
+        return dict(out)
+
+    @property
     def workers(self) -> dict[str, set]:
         out: dict[str, set] = defaultdict(set)
         for p in self.parts:
@@ -95,7 +104,7 @@ class Figures:
 
     def dollars_per_m(self, prices: Prices) -> float | None:
         cost = 0.0
-        for device, seconds in self.worker_s.items():
+        for device, seconds in self.device_s.items():
             hourly = prices.hourly(device)
             if hourly is None:
                 return None
@@ -109,7 +118,8 @@ def load(path: str) -> Figures:
     out = read_output(path, columns)
     m = out.manifest
     entries = [m["parts"][name] for name in out.parts]
-    parts = [{"device": e.get("device", "unknown"), "worker": e.get("worker", "?"), "wall_s": e.get("wall_s"),
+    parts = [{"device": e.get("device", "unknown"), "devices": e.get("devices", 1), "worker": e.get("worker", "?"),
+              "wall_s": e.get("wall_s"),
               "tokens": e.get("generated_tokens", 0), "control": bool(e.get("control"))} for e in entries]
     good = [i for i, e in enumerate(out.columns["error"]) if not e]
     failed: dict[str, int] = defaultdict(int)
@@ -179,7 +189,7 @@ def _per_part(f: Figures, prices: Prices) -> list[dict]:
     for p in f.parts:
         hourly = prices.hourly(p["device"])
         priced = hourly is not None and p["wall_s"] and p["tokens"]
-        cost = hourly * p["wall_s"] / 3600 / p["tokens"] * 1e6 if priced else None
+        cost = hourly * p["wall_s"] * p["devices"] / 3600 / p["tokens"] * 1e6 if priced else None
         out.append({"tokens_per_s": rate(p["tokens"], p["wall_s"] or 0.0), "usd_per_m": cost, "control": p["control"]})
     return out
 
@@ -200,12 +210,15 @@ def build(path: str, prices: Prices, baseline: str | None = None) -> tuple[str, 
         ours = f.worker_tokens_per_s(control=False)
         hourly = [prices.hourly(d) for d in f.worker_s]
         if base_rate and all(h is not None for h in hourly) and len(hourly) == 1:
-            base_dollars = hourly[0] / 3600 / base_rate * 1e6
+            (d, seconds), = f.worker_s.items()
+            held = f.device_s[d] / seconds if seconds else 1.0  # devices per worker
+            base_dollars = hourly[0] * held / 3600 / base_rate * 1e6
     speedup = ours / base_rate if base_rate and ours else None
     saved = base_dollars - dollars if base_dollars is not None and dollars is not None else None
     figures = {"rows": f.rows, "rows_failed": sum(f.failed.values()), "failed_by_reason": f.failed,
                "generated_tokens": f.tokens, "prompt_tokens": f.prompt_tokens, "wall_s": f.wall_s,
                "worker_hours": {d: s / 3600 for d, s in f.worker_s.items()},
+               "device_hours": {d: s / 3600 for d, s in f.device_s.items()},
                "workers": {d: len(w) for d, w in f.workers.items()},
                **f.rates, "usd_per_million_tokens": dollars, "prices": prices.source,
                "speedup": speedup, "speedup_from": base_from, "usd_saved_per_million_tokens": saved,
@@ -229,6 +242,7 @@ def build(path: str, prices: Prices, baseline: str | None = None) -> tuple[str, 
              f"| job wall time | {f.wall_s:.1f} s |"]
     for d, s in f.worker_s.items():
         lines.append(f"| worker-hours on {d} ({len(f.workers[d])} workers) | {s / 3600:.4g} h |")
+        lines.append(f"| device-hours of {d} (charged: every device a worker holds) | {f.device_s[d] / 3600:.4g} h |")
     lines += [f"| tokens/s for the job (output tokens per second of its wall time, model loading and every worker "
               f"included: `job_tokens_per_s`) | {_fmt(job_rate, '.1f', ' tokens/s')} |",
               f"| tokens/s per worker (output tokens per second a worker spent on its parts: `worker_tokens_per_s`) "

@@ -168,10 +168,12 @@ class SpecEngine:
 
     @property
     def step_path(self) -> str:
-        """How the target's steps run: 'graphs', 'lean' or 'generic' (specdec/runner.py)."""
+        """How the target's steps run: 'graphs', 'lean' or 'generic' (specdec/runner.py); '+eager-fallback' when
+        some shapes of any model fell back from the fast path."""
         runner = self._runners.get("target")
         if runner is not None:
-            return runner.path
+            fell = any(getattr(r, "eager", None) for r in self._runners.values())
+            return runner.path.removesuffix("+eager-fallback") + ("+eager-fallback" if fell else "")
         if self.pair.tp is not None:
             return f"lean-tp{self.pair.tp.group.world}"
         from . import llama

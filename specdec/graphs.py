@@ -27,6 +27,11 @@ import torch
 
 _COMPILED: dict[str, Callable] = {}
 
+# test hook (workers/faults.py sets it): called with a step's key the first time a fast step of that key runs
+# (specdec/runner.py); returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
+# non-finite). None: off.
+fault: Callable[[tuple], str | None] | None = None
+
 
 def compiled_layer() -> Callable:
     from .llama import layer_forward

@@ -68,3 +68,9 @@ def plan(device: torch.device, models, fraction: float, rows: int, width: int, v
     reserve = 3 * rows * width * vocab * 4 + GiB // 2
     budget = int(fraction * total) - used - reserve
     return MemoryPlan(budget, kv_bytes_per_token(models), fraction, total, used, reserve)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` (or the failure it reports, e.g. another process's) is running out of memory."""
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text

@@ -10,19 +10,29 @@ Two paths behind one interface:
 
 `kv_len` is always given by the caller, who knows the rows' lengths on the host: no forward reads a
 value back from the device.
+
+The fast path cannot fail a job: the first step of each shape on it (a graph, or the compiled layer) runs
+again eagerly and is compared; a failure (capture or compilation raising), non-finite logits or logits
+beyond tolerance of eager's send that shape to the eager path for good, said once in the log and in
+`path` ("...+eager-fallback"). Running a step twice is harmless: it writes the same cache slots.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
+from . import graphs as graphs_mod
 from . import llama
 from .cache import RaggedKVCache, forward_hidden
 from .costmodel import pow2_at_least
 from .graphs import StepGraphs, compiled_layer
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()  # fallback reasons already logged by this process
 
 
 class ModelRunner:
@@ -47,18 +57,23 @@ class ModelRunner:
             weights = llama.load_weights(model)
         self.lean = weights
         cuda = self.device.type == "cuda"
-        if graphs is None:
-            graphs = cuda and self.lean is not None
+        if graphs is None:  # an injected fault (a test, on CPU) takes the static steps, to have them fail
+            graphs = (cuda or graphs_mod.fault is not None) and self.lean is not None
         self.graphs = StepGraphs(self.device) if graphs else None
         compile = cuda if self.compile_layers is None else self.compile_layers
         self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
+        self.checked: set[tuple] = set()  # shapes whose fast step matched eager
+        self.eager: dict[tuple, str] = {}  # shapes sent to the eager path, with the reason
 
     @property
     def path(self) -> str:
-        """What runs the steps: 'graphs', 'lean' (eager) or 'generic'."""
+        """What runs the steps: 'graphs', 'lean' (eager) or 'generic'; '+eager-fallback' when some shapes fell
+        back from the fast path."""
         if self.graphs is not None and self.graphs.capture:
-            return "graphs"
-        return "lean" if self.lean is not None else "generic"
+            base = "graphs"
+        else:
+            base = "lean" if self.lean is not None else "generic"
+        return base + ("+eager-fallback" if self.eager else "")
 
     def prefill(self, tokens: torch.Tensor, start: int, end: int, top: int = 0) -> torch.Tensor | None:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
@@ -89,20 +104,77 @@ class ModelRunner:
         next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/trees.py;
         it runs eagerly)."""
         n, t = tokens.shape
-        if self.graphs is None or t > self.max_graph_width or mask is not None:
-            return self._step(tokens, positions, last, kv_len=min(kv_len, self.cache.max_len), slots=slots, mask=mask)
-        rows = min(pow2_at_least(n), self.cache.rows)
-        kv = min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len)
-        inputs = (tokens, positions) if last is None else (tokens, positions, last)
-        logits, hidden = self.graphs.run((rows, t, kv, last is None), partial(self._step, kv_len=kv), rows, *inputs)
-        return logits[:n], hidden[:n]
+        kv_len = min(kv_len, self.cache.max_len)
+        eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
+                        layer=llama.layer_forward)
+        graphed = self.graphs is not None and t <= self.max_graph_width and mask is None
+        if graphed:
+            rows = min(pow2_at_least(n), self.cache.rows)
+            kv = min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len)
+            key = (rows, t, kv, last is None)
+            inputs = (tokens, positions) if last is None else (tokens, positions, last)
 
-    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None):
+            def fast():
+                logits, hidden = self.graphs.run(key, partial(self._step, kv_len=kv), rows, *inputs)
+                return logits[:n], hidden[:n]
+        else:
+            key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations
+            fast = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask)
+        if key in self.eager or (not graphed and self.layer is llama.layer_forward):
+            return eager()
+        if key in self.checked or not self._checks(graphed):
+            return fast()
+        return self._first(key, fast, eager)
+
+    def _checks(self, graphed: bool) -> bool:
+        """Whether a shape's first fast step is checked: where graphs are captured or the layer compiled (on
+        CPU the static steps are the eager computation), or when a test injects a fault."""
+        return (graphed and self.graphs.capture) or self.layer is not llama.layer_forward \
+            or graphs_mod.fault is not None
+
+    def _first(self, key: tuple, fast, eager):
+        """A shape's first fast step, checked against eager's; returns eager's result."""
+        why = None
+        try:
+            mode = graphs_mod.fault(key) if graphs_mod.fault is not None else None
+            if mode == "raise":
+                raise RuntimeError("injected fault: capture failed")
+            logits = fast()[0]
+            if mode == "nan":
+                logits = torch.full_like(logits, float("nan"))
+        except Exception as exc:  # noqa: BLE001 - any failure of the fast path falls back, but memory is the caller's
+            if "out of memory" in str(exc).lower():
+                raise
+            why = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        ref = eager()
+        if why is None:
+            why = mismatch(logits, ref[0])
+        if why is None:
+            self.checked.add(key)
+        else:
+            self.eager[key] = why
+            if why not in _said:
+                _said.add(why)
+                log.warning("specbatch: the fast path failed for a step of shape %s (%s); that shape runs eagerly",
+                            key, why)
+        return ref
+
+    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, layer=None):
         if self.lean is not None:
-            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len, self.layer,
-                                   slots, mask)
+            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len,
+                                   layer or self.layer, slots, mask)
         else:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
         return self.logits(hidden), hidden
+
+
+def mismatch(fast: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why a fast step's logits cannot stand for eager's: non-finite, or a largest difference beyond tolerance
+    (relative to eager's largest logit: 1e-3 in float32, 5e-2 in 16-bit floats); None when they can."""
+    if not bool(torch.isfinite(fast).all()):
+        return "non-finite logits"
+    tol = 1e-3 if ref.dtype == torch.float32 else 5e-2
+    err = float((fast.float() - ref.float()).abs().max() / (ref.float().abs().max() + 1))
+    return f"logits differ from eager's by {err:.3g} (relative; tolerance {tol})" if err > tol else None

@@ -6,8 +6,9 @@ Its target runner (`TPRunner`) has specdec/runner.py's interface; each call it g
 step, a cache row move) is sent to the other ranks, then run on its own slice. A call's name and its
 arguments' shapes go over a CPU (gloo) group; the tensors themselves (token ids, positions, cache slots,
 a tree's mask: never activations) over the device group, NCCL on GPUs, so rank 0 never waits on its GPU
-to send them. Every rank then runs the same lean forward (specdec/llama.py) on its slice, with float32
-all-reduces after the row-parallel projections, and gathers the logits' vocabulary slices. The other
+to send them. Every rank then runs the same lean forward (specdec/llama.py) on its slice, with all-reduces
+after the row-parallel projections (in bf16 where the model computes in bf16, as vLLM's are; float16 is
+summed in float32, which cannot overflow), and gathers the logits' vocabulary slices. The other
 ranks run `Rank.serve`: rank 0's calls, in order, until `stop`.
 
 Steps run eagerly (no CUDA graphs, no compiled layer: the collectives are not captured yet). A failed
@@ -17,6 +18,7 @@ call leaves the ranks out of step: `GroupBroken` says the group must be rebuilt 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,10 +45,12 @@ class _Tensor:  # a tensor argument's place in a call: its shape and dtype go ah
 class Group:
     """This process's place in a tensor-parallel group, and the group's collectives."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
+    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float):
         self.rank, self.world, self.device = rank, world, device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.data = dist.group.WORLD
-        self.control = dist.new_group(backend="gloo") if device.type == "cuda" else self.data
+        # the control group keeps the configured timeout too (torch's default for a new group is 30 minutes)
+        self.control = dist.new_group(backend="gloo", timeout=self.timeout) if device.type == "cuda" else self.data
 
     @classmethod
     def join(cls, rank: int, world: int, address: str, device: str | torch.device, timeout_s: float) -> Group:
@@ -54,11 +58,11 @@ class Group:
         device = torch.device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{address}",
                                 rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank, world, device)
+        return cls(rank, world, device, timeout_s)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the ranks, added in float32 (as one device's matmul accumulates)."""
-        y = x.float()
+        """The sum of x over the ranks, in `reduce_dtype(x.dtype)`."""
+        y = x.to(reduce_dtype(x.dtype))
         dist.all_reduce(y, group=self.data)
         return y.to(x.dtype)
 
@@ -93,6 +97,16 @@ class Group:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What an all-reduce of `dtype` sums in: bf16 and float32 as they are (bf16 has float32's range: half the
+    bytes on the wire), anything else in float32 (float16 could overflow)."""
+    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -139,6 +153,20 @@ class Rank:
 
     def move_slots(self, key: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.runners[key].cache.move_slots(src, dst)
+
+    def all_reduce_probe(self, key: int, nbytes: int, dtype: torch.dtype) -> tuple[float, bool]:
+        """Every rank: all-reduce `nbytes` of `dtype` (once to warm, then timed 3 times); (seconds per
+        all-reduce, whether the sum came out right)."""
+        x = torch.ones(nbytes // _itemsize(dtype), dtype=dtype, device=self.group.device)
+        dist.all_reduce(x, group=self.group.data)
+        right = bool((x == self.group.world).all())
+        sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(x, group=self.group.data)
+        sync()
+        return (time.perf_counter() - t0) / 3, right
 
     @torch.inference_mode()
     def serve(self, before: Callable[[str], None] | None = None) -> None:

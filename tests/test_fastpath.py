@@ -103,6 +103,33 @@ def test_fast_paths_give_transformers_greedy_output(target, prompts, method, gra
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("fault", ["raise", "nan", "off"])
+def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, monkeypatch, fault):
+    """The first step of each shape on the fast path is checked against eager: a capture that raises or
+    non-finite logits sends that shape to eager (same greedy tokens, '+eager-fallback'); a sound one stays."""
+    from specdec import graphs, runner
+    seen = []
+    monkeypatch.setattr(graphs, "fault", lambda key: seen.append(key) or (None if fault == "off" else fault))
+    spec = SpecConfig(method="draft_model", num_draft_tokens=3, draft_length="fixed")
+    sp = SamplingParams(max_new_tokens=MAX_NEW)
+    ref = [r.token_ids for r in SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3,
+                                           step_graphs=False).generate(prompts)]
+    eng = SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3)  # graphs: the hook's doing
+    assert [r.token_ids for r in eng.generate(prompts)] == ref
+    assert len(seen) == len(set(seen)) > 1  # each shape checked once
+    target_runner = eng._runners["target"]
+    if fault == "off":
+        assert eng.step_path == "lean" and not target_runner.eager and len(target_runner.checked) > 0
+    else:
+        assert eng.step_path == "lean+eager-fallback" and not target_runner.checked
+        assert all(("injected" if fault == "raise" else "non-finite") in why for why in target_runner.eager.values())
+        eng.generate(prompts)
+        assert len(seen) == len(set(seen))  # a shape that fell back is not tried again
+    assert runner.mismatch(torch.ones(2, 3), torch.ones(2, 3)) is None
+    assert "differ" in runner.mismatch(torch.ones(2, 3) * 1.01, torch.ones(2, 3))
+    assert runner.mismatch(torch.ones(2, 3, dtype=torch.bfloat16) * 1.01, torch.ones(2, 3, dtype=torch.bfloat16)) is None
+
+
 def test_other_architectures_take_the_generic_path(prompts):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)

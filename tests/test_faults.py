@@ -159,6 +159,20 @@ def test_out_of_memory_splits_the_batch_before_failing_a_row(tmp_path, tiny_pair
     check(tmp_path, reference, 12)
 
 
+@pytest.mark.parametrize("mode", ["raise", "nan"])
+def test_a_failing_fast_path_falls_back_to_eager(tmp_path, tiny_pair, reference, ray_session, monkeypatch, mode):
+    """Every shape's first fast step fails in every worker (capture raising, or non-finite logits): the job
+    completes on the eager path with the uninterrupted run's tokens, and its summary says so."""
+    monkeypatch.setenv("SPECBATCH_FAULT_FASTPATH", mode)
+    path, _ = chaos_config(tmp_path, tiny_pair, 12)
+    summary = run_job(load_spec(path), progress=False)
+    assert summary["rows_failed_this_run"] == 0
+    assert summary["step_path"] == "lean+eager-fallback"
+    check(tmp_path, reference, 12)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "out" / "_logs").rglob("*") if p.is_file())
+    assert "the fast path failed" in logs and ("injected fault" in logs if mode == "raise" else "non-finite" in logs)
+
+
 def test_transient_local_storage_errors_are_retried(tmp_path, tiny_pair, reference, ray_session, monkeypatch):
     import workers.storage as storage
     from workers import faults

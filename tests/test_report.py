@@ -121,3 +121,17 @@ def test_report_cli_on_a_missing_output(tmp_path, capsys):
     # estimate reads the output the same way, and says the same (it raised a traceback before)
     assert cli(["estimate", str(tmp_path / "nothing"), "--profile", str(tmp_path / "p.json")]) == 1
     assert "no job output here" in capsys.readouterr().err
+
+
+def test_every_device_a_worker_holds_is_charged():
+    """A worker's seconds count once per device it holds: four tensor-parallel ranks four times, half a GPU
+    half; old manifests without `devices` count one."""
+    from jobs.report import Figures, Prices
+
+    parts = [{"device": "cuda: H100", "devices": 4, "worker": "a", "wall_s": 1800.0, "tokens": 500_000, "control": False},
+             {"device": "cuda: L4", "devices": 0.5, "worker": "b", "wall_s": 3600.0, "tokens": 500_000, "control": False}]
+    f = Figures("t", 2, {}, 1_000_000, 0, parts, 3600.0, {}, {})
+    assert f.worker_s == {"cuda: H100": 1800.0, "cuda: L4": 3600.0}
+    assert f.device_s == {"cuda: H100": 7200.0, "cuda: L4": 1800.0}
+    prices = Prices.load(None, 2.0, None)  # $2 per GPU-hour
+    assert f.dollars_per_m(prices) == pytest.approx(2.0 * (2.0 + 0.5))  # 2.5 GPU-hours for 1M tokens

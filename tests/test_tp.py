@@ -11,6 +11,7 @@ import torch
 
 from job_helpers import config, read_out, rows_of, run_cli
 from jobs.driver import run_job
+from jobs.report import Prices, build
 from jobs.spec import load_spec
 from specdec.config import TargetSource
 from specdec.shard import check_shardable, load_shard
@@ -68,6 +69,11 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, tiny_pair, ray_session, one_
     out, _ = read_out(tmp_path / "out")
     assert {k: r["token_ids"] for k, r in out.items()} == one_process
     assert summary["step_path"] == "lean-tp2"
+    # a two-rank worker holds two devices: its seconds are charged twice
+    figures = build(str(tmp_path / "out"), Prices.load(None, None, 3.0))[2]
+    (device, hours), = figures["worker_hours"].items()
+    assert hours > 0 and figures["device_hours"] == {device: pytest.approx(2 * hours)}
+    assert figures["usd_per_million_tokens"] == pytest.approx(3.0 * 2 * hours / figures["generated_tokens"] * 1e6)
     assert summary["mean_accepted_length"] > 1  # speculation ran over the split target
 
 
@@ -77,15 +83,102 @@ def test_specbatch_run_prints_the_group_and_survives_a_rank_killed_mid_shard(tmp
 
     marker = tmp_path / "rank-exit"
     os.environ["SPECBATCH_FAULT_RANK_EXIT"] = str(marker)  # rank 1 dies at its 5th step, once
+    os.environ["NCCL_DEBUG"] = "WARN"  # a user's NCCL setting on the driver reaches every rank
     try:
         proc = run_cli(path, "--verbose")
         text, _ = proc.communicate(timeout=600)
     finally:
-        del os.environ["SPECBATCH_FAULT_RANK_EXIT"]
+        del os.environ["SPECBATCH_FAULT_RANK_EXIT"], os.environ["NCCL_DEBUG"]
     assert proc.returncode == 0, text
     assert marker.exists()  # the fault fired
     assert "2 tensor-parallel ranks on node" in text and "rank 1 CPU" in text
+    assert "every rank has NCCL_DEBUG=WARN" in text
     assert "restarting the worker's whole group" in text
     out, table = read_out(tmp_path / "out")
     assert table.num_rows == ROWS  # every row exactly once
     assert {k: r["token_ids"] for k, r in out.items()} == one_process
+
+
+def test_a_rank_out_of_memory_restarts_the_group_with_half_the_batch(tmp_path, tiny_pair, one_process):
+    """Rank 1 runs out of memory mid-shard: the group restarts, its worker comes back at batch size 2 instead
+    of 4, and the job's rows come out once each with one process's tokens."""
+    path, _ = config(tmp_path, tiny_pair, rows_of(ROWS), resources__num_workers=1, resources__shard_size=6,
+                     speculation__draft_length="fixed", **split(tiny_pair))
+    marker = tmp_path / "rank-oom"
+    os.environ["SPECBATCH_FAULT_RANK_OOM"] = str(marker)
+    try:
+        proc = run_cli(path, "--verbose")
+        text, _ = proc.communicate(timeout=600)
+    finally:
+        del os.environ["SPECBATCH_FAULT_RANK_OOM"]
+    assert proc.returncode == 0, text
+    assert marker.exists()
+    assert "ran out of memory 1 time(s): batch size 4 -> 2" in text
+    out, table = read_out(tmp_path / "out")
+    assert table.num_rows == ROWS
+    assert {k: r["token_ids"] for k, r in out.items()} == one_process
+
+
+def test_ranks_bind_to_the_groups_gpus_on_their_node():
+    """vLLM's binding: every rank on a node sees the group's GPUs there, in id order, and uses its own."""
+    from workers.group import bind
+
+    ranks = [{"node": "a", "gpus": ["6"]}, {"node": "a", "gpus": ["10"]}, {"node": "a", "gpus": ["2"]},
+             {"node": "b", "gpus": ["0"]}]
+    assert [bind(r["gpus"], ranks, r["node"]) for r in ranks] == [("2,6,10", 1), ("2,6,10", 2), ("2,6,10", 0),
+                                                                   ("0", 0)]
+    with pytest.raises(RuntimeError, match="holds no GPU"):
+        bind([], ranks, "a")
+
+
+def _reduce(rank: int, port: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from specdec.tp import Group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    g = Group(rank, 2, torch.device("cpu"), 60)
+    x = torch.tensor([1.0, 2.0 ** -9, 3.0])
+    out.put((rank, {str(dt): g.all_reduce(x.to(dt) * (rank + 1)) for dt in (torch.bfloat16, torch.float16,
+                                                                               torch.float32)}))
+    dist.destroy_process_group()
+
+
+def test_all_reduces_keep_bf16_and_sum_float16_in_float32():
+    """bf16 goes over the wire as bf16 (half float32's bytes); float16 is summed in float32; float32 stays."""
+    import torch.multiprocessing as mp
+
+    from specdec.tp import reduce_dtype
+    assert reduce_dtype(torch.bfloat16) == torch.bfloat16 and reduce_dtype(torch.float16) == torch.float32
+    assert reduce_dtype(torch.float32) == torch.float32
+    from workers.group import _free_port
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_reduce, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for r in range(2):
+            y = got[r][str(dt)]
+            assert y.dtype == dt
+            torch.testing.assert_close(y.float(), (torch.tensor([1.0, 2.0 ** -9, 3.0]).to(dt) * 3).float())
+
+
+def test_one_process_commands_refuse_a_tensor_parallel_target(tmp_path, tiny_pair, capsys):
+    """profile, train-head and calibrate load the whole target in one process: a split target is refused,
+    naming the key and what to run instead."""
+    from jobs.cli import main as cli
+    path, _ = config(tmp_path, tiny_pair, rows_of(2), **split(tiny_pair))
+    for argv in (["profile", path, "--out", str(tmp_path / "p.json")], ["train-head", path, "--out",
+                 str(tmp_path / "head")], ["calibrate", path]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert f"specbatch {argv[0]} loads the whole target in one process" in err
+        assert "models.target.tensor_parallel" in err and "--set models.target.tensor_parallel=1" in err
+    assert not (tmp_path / "p.json").exists() and not (tmp_path / "head").exists()

@@ -16,36 +16,17 @@ import sys
 import time
 
 from specdec.config import SampleResult, SamplingParams, SpecConfig
+from specdec.memory import out_of_memory
 from specdec.stops import cut_at_stop
 
 from . import faults, logs
 from .fetch import localize
 from .inputs import Shard, read_shard, render_prompt
+from .preflight import device_name
 from .outputs import commit_jsonl, parquet_bytes, part_entry
 from .requests import interpret, settings
 from .spec import WorkerSpec, models_used
 from .storage import open_storage
-
-def device_name(device) -> str:
-    """"cuda: <GPU name>" or "cpu: <CPU model>": what the report prices a worker-hour by."""
-    import torch
-
-    if device.type == "cuda":
-        return f"cuda: {torch.cuda.get_device_name(device)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        model = platform.processor() or platform.machine()
-    return f"cpu: {model}"
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
-
 
 class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
@@ -61,22 +42,25 @@ class GenerationWorker:
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
+        faults.install_engine_hooks()
         self.spec = spec
-        device = "cuda" if torch.cuda.is_available() and spec.use_gpu else "cpu"
         used = models_used(spec.models, spec.speculation)
         target = localize(used["models.target.path"])
-        tp, self.layout = None, None
+        tp, self.layout, batch_size = None, None, spec.resources.batch_size
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
+            from . import group
             from .fetch import local_snapshot
-            from .group import start
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
-            tp, self.layout = start(target, spec.resources)
+            tp, self.layout = group.start(target, spec.resources)  # binds this rank's GPU before CUDA starts
+            batch_size = group.batch_size_after_oom(batch_size)
+        device = ("cuda" if tp is None else str(tp.group.device)) if spec.use_gpu and torch.cuda.is_available() \
+            else "cpu"
         self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
         faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
-        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
+        self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
@@ -84,12 +68,23 @@ class GenerationWorker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.node = _node_id()
         self.device_name = device_name(self.engine.device)
+        # the devices this worker holds, every rank's: what its seconds are charged for (a fraction of a GPU too)
+        per_rank = spec.resources.gpus_per_worker if self.engine.device.type == "cuda" else 1
+        self.devices = target.tensor_parallel * per_rank
         self._control = None
         self._last_progress = time.monotonic()
 
     def ready(self) -> dict:
         """Where this worker's process runs: its `name` (host:pid) and Ray `node` id."""
         return {"name": self.name, "node": self.node}
+
+    def check(self) -> list[dict]:
+        """Preflight (`specbatch check`): this worker's devices, its engine's checks, its output's storage."""
+        from specdec.preflight import engine_checks, row
+
+        from .preflight import storage_probe
+        return ([row("worker devices", f"{self.devices:g} x {self.device_name}", True)]
+                + engine_checks(self.engine) + [storage_probe(self.spec.output.path)])
 
     def group_layout(self) -> list[dict] | None:
         """Where a tensor-parallel worker's ranks run (node, GPUs, weight bytes); None for one process."""
@@ -153,7 +148,7 @@ class GenerationWorker:
             commit_jsonl(self.storage, shard.part, data, self.spec.models.target.path)
         return {
             **part_entry(data), "shard": shard.index, "part": shard.part, "created": created, "bytes": len(data),
-            "control": shard.control, "device": self.device_name,
+            "control": shard.control, "device": self.device_name, "devices": self.devices,
             "wall_s": time.perf_counter() - t0,
             "worker": self.name, "node": self.node,
             "step_path": self.engine.step_path,
@@ -174,7 +169,8 @@ class GenerationWorker:
                  params: list[SamplingParams]) -> list[SampleResult]:
         """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
         keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
-        fails, as an error row."""
+        fails, as an error row. In a tensor-parallel group, whose ranks are then out of step, the group restarts
+        and its worker comes back with half the batch size (workers/group.py)."""
         try:
             inject = faults.oom_rows()  # test hook: batches above N rows run out of memory
             if inject and min(engine.batch_size, len(prompts)) > inject:
@@ -183,6 +179,10 @@ class GenerationWorker:
         except Exception as exc:
             from specdec.tp import GroupBroken
 
+            if isinstance(exc, GroupBroken) and out_of_memory(exc):  # the group restarts, its batches halved
+                from .group import note_oom
+
+                note_oom()
             if isinstance(exc, GroupBroken) or not out_of_memory(exc):
                 raise
         _free_memory()

@@ -46,13 +46,13 @@ def run_check(spec: JobSpec | None, address: str | None = None, log_level: str =
         out += _node_checks(spec, nodes)
         if spec is None or failures(out):
             return out
-        workers = min(spec.resources.num_workers, len(nodes))
+        most = spec.resources.worker_limits()[1]  # None: `auto`
+        workers = min(most or len(nodes), len(nodes))
         job = Job(spec, None, {}, None, deque(range(workers)), 0, 0.0)
         try:
             with launch(job, address, log_level, say=lambda *a, **k: None) as pool:
-                for w in pool.workers:
-                    name = ray.get(w.ready.remote())
-                    out += [{"where": name, **r} for r in ray.get(w.check.remote())]
+                for m in pool.wait_for(workers):
+                    out += [{"where": m.name, **r} for r in ray.get(m.actor.check.remote())]
         except JobError as exc:
             out.append({"where": "cluster", **row("worker start", str(exc), False)})
     finally:

@@ -91,9 +91,16 @@ def reference(cluster, tiny_pair, tmp_path_factory):
     return {k: r["token_ids"] for k, r in out.items()}, set(parts_nodes(tmp / "out").values()), summary_of(log)
 
 
-def check(out, reference):
+def check(out, reference, summary: dict | None = None, **nodes: int):
+    """Every row exactly once, with the uninterrupted run's tokens; prints the run's figures (`pytest -rP`)."""
     rows, table = read_out(out)
-    assert table.num_rows == ROWS and len(rows) == ROWS  # every row exactly once: none lost, none twice
+    lost, twice = len(set(reference[0]) - set(rows)), table.num_rows - len(rows)
+    figures = {**nodes, "rows": ROWS, "rows_lost": lost, "rows_duplicated": twice}
+    if summary:
+        figures |= {k: summary[k] for k in ("workers_started", "workers_added_mid_job", "nodes_lost",
+                                            "shards_retried", "rows_from_earlier_runs")}
+    print("figures:", json.dumps(figures))
+    assert table.num_rows == ROWS and len(rows) == ROWS and not lost  # none lost, none twice
     assert {k: r["token_ids"] for k, r in rows.items()} == reference[0]
     assert (out / "_SUCCESS").exists()
 
@@ -178,13 +185,12 @@ def test_a_worker_node_removed_mid_job(cluster, tiny_pair, reference, tmp_path, 
             cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
     assert proc.returncode == 0, log
-    out = tmp_path / "out"
-    check(out, reference)
+    out, summary = tmp_path / "out", summary_of(log)
+    check(out, reference, summary, nodes_removed=1, nodes_added=int(replace))
     nodes = set(parts_nodes(out).values())
     assert removed not in nodes  # its uncommitted shard was committed by another worker
     if added:
         assert added in nodes  # the worker added mid-job took shards
-    summary = summary_of(log)
     assert summary["nodes_lost"] == 1 and summary["shards_retried"] >= 1, summary
     assert summary["workers_added_mid_job"] >= (1 if replace else 0), summary
     quiet(log)  # Ray's "(raylet) ... failed ... retries left" lines went to the logs folder
@@ -256,7 +262,7 @@ def test_ray_job_submit_stopped_mid_job_then_resubmitted_resumes(cluster, tiny_p
     assert second.poll() == "SUCCEEDED", log
     summary = summary_of(log)
     assert summary["rows_from_earlier_runs"] == 3 * committed and summary["parts"] == ROWS // 3, summary
-    check(out, reference)
+    check(out, reference, summary, drivers_stopped=1)
     quiet("\n".join(line for line in log.splitlines() if "job_manager.py" not in line
                     and not line.startswith("Running entrypoint")))  # the job server's own two lines
 
@@ -282,9 +288,9 @@ def test_workers_grow_with_the_cluster(cluster, tiny_pair, reference, tmp_path, 
         if added:  # the next test gets two worker nodes again
             cluster.remove_node(node_of(cluster, added))
     assert proc.returncode == 0, log
-    check(tmp_path / "out", reference)
-    assert added in set(parts_nodes(tmp_path / "out").values())  # the worker added mid-job committed parts
     summary = summary_of(log)
+    check(tmp_path / "out", reference, summary, nodes_added=1)
+    assert added in set(parts_nodes(tmp_path / "out").values())  # the worker added mid-job committed parts
     assert summary["workers_added_mid_job"] >= 1 and summary["workers_started"] == 3, summary
     assert summary["nodes_lost"] == 0 and summary["shards_retried"] == 0, summary
     quiet(log)

@@ -335,3 +335,19 @@ def test_the_progress_bar_shows_the_live_workers(capsys):
     prog.close()
     bar = capsys.readouterr().err
     assert "workers=3" in bar and bar.rindex("workers=2") > bar.index("workers=3"), bar
+
+
+def test_rays_error_lines_go_to_the_log_file_and_the_console_gets_them_back_after(tmp_path, capsys):
+    """What Ray's error listener prints ("(raylet) ...": a node gone, a task retried) goes to the run's Ray log
+    while the run lasts, not the console; afterwards Ray's own printer is back."""
+    from ray._private import worker as ray_worker
+
+    from jobs.ray_session import ray_log_to
+
+    printer, path = ray_worker.print_to_stdstream, tmp_path / "_logs" / "driver-ray.log"
+    with ray_log_to(str(path)):
+        ray_worker.print_to_stdstream({"lines": ["Task GenerationWorker.ready failed. 3 retries left."],
+                                       "pid": "raylet", "is_err": False}, ignore_prefix=False)
+    assert ray_worker.print_to_stdstream is printer
+    assert "(raylet) Task GenerationWorker.ready failed. 3 retries left." in path.read_text()
+    assert "retries left" not in capsys.readouterr().out

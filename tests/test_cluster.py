@@ -48,13 +48,6 @@ def job(tmp_path, tiny_pair, **over):
     return config(tmp_path, tiny_pair, rows_of(ROWS), generation__max_new_tokens=16, resources__shard_size=3, **over)
 
 
-def run(path, address, *extra) -> dict:
-    proc = run_cli(path, "--address", address, "--json", *extra)
-    log = proc.communicate(timeout=500)[0]
-    assert proc.returncode == 0, log
-    return summary_of(log)
-
-
 def quiet(log: str) -> None:
     """Only specbatch's own lines (and the --json summary) on the console: Ray's go to the logs folder."""
     noise = [line for line in log.splitlines() if not line.startswith(("specbatch:", "{"))]

@@ -32,7 +32,8 @@ from workers.spec import models_used
 from workers.storage import Storage, is_s3, open_storage
 
 from .manifest import MANIFEST, PART_KEYS, SUCCESS, JobError, prepare_output
-from .pool import NODE_POLL_S, Pool, Watchdog, cause, init_ray, ray_log_to
+from .pool import NODE_POLL_S, Pool, Watchdog, cause
+from .ray_session import init_ray, ray_log_to
 from .progress import Progress
 from .spec import ConfigError, JobSpec
 

@@ -1,14 +1,11 @@
-"""The job's workers on Ray: joining a cluster or starting an embedded one of our own, the worker actors (a
-placement group each for a tensor-parallel target) as an elastic pool that follows the cluster's nodes, and the
-watchdog that restarts a worker that stopped making progress.
+"""The job's workers on Ray: the worker actors (a placement group each for a tensor-parallel target) as an
+elastic pool that follows the cluster's nodes, and the watchdog that restarts a worker that stopped making
+progress.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -20,40 +17,6 @@ from .manifest import JobError
 
 NODE_POLL_S = 1.0  # how often the pool looks at the cluster's nodes and free resources
 WAIT_SAY_S = 30.0  # how long workers may wait for room before the driver says so (and again every so often)
-
-
-def init_ray(address: str | None, level: str = "warning", verbose: bool = False) -> bool:
-    """Join the cluster at `address`, or start an embedded local Ray of our own (never a cluster that happens to
-    run on this machine: another job's); True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs = dict(include_dashboard=False, logging_level=getattr(logging, level.upper()), log_to_driver=verbose)
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=os.cpu_count(), **kwargs)
-    return True
-
-
-@contextlib.contextmanager
-def ray_log_to(path: str | None):
-    """Send Ray's own log lines in this process (its warnings, such as the token-authentication notice) to the
-    file `path`, created on the first line, instead of the console; None: leave them."""
-    ray_logger = logging.getLogger("ray")
-    before = ray_logger.handlers[:]
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        handler = logging.FileHandler(path, delay=True)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        ray_logger.handlers = [handler]
-    try:
-        yield
-    finally:
-        if path:
-            ray_logger.handlers = before
-            handler.close()
 
 
 @dataclass(eq=False)

@@ -60,18 +60,23 @@ def run_cli(path, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def free_port() -> int:
+    """A loopback port free now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def moto_s3(secret: str, key_id: str = "AKIDTESTING", bucket: str = "bucket"):
     """A real S3-compatible server (moto in server mode) on loopback with a bucket `bucket`, its endpoint and
     credentials in this process's environment (and so in the CLI's and Ray workers') for as long as the
     generator runs: `yield from moto_s3(SECRET)` in a module fixture. Yields the environment it set."""
-    import socket
-
     import boto3
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": key_id,

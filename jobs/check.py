@@ -27,7 +27,7 @@ def run_check(spec: JobSpec | None, address: str | None = None, log_level: str =
     from workers.preflight import storage_probe
 
     from .driver import Job, check_models, launch
-    from .pool import init_ray
+    from .ray_session import init_ray
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     try:

@@ -48,7 +48,9 @@ class InputSpec(Config):
                                                     "are the row's settings)")
     sampling_columns: list[str] = Field([], description="columns holding a row's own settings, each named as the "
                                         "setting: `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` "
-                                        "(strings), `stop_token_ids`; null or absent: the job's `generation`")
+                                        "(strings), `stop_token_ids`, `n`, `logprobs`, `top_logprobs`, "
+                                        "`response_format` (an object, or its JSON text); null or absent: the job's "
+                                        "`generation`")
 
     @field_validator("sampling_columns")
     @classmethod

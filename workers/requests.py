@@ -132,5 +132,5 @@ def interpret(row: dict, inp) -> tuple[dict, object, dict, list[str], bool]:
     prompt, overrides, unknown = openai_request(row)
     chat = "messages" in prompt
     view = inp.model_copy(update={"messages_column": "messages" if chat else None, "prompt_column": "prompt",
-                                  "chat_template": False})
+                                  "prompt_template": None, "chat_template": False})
     return prompt, view, overrides, unknown, chat

@@ -130,7 +130,10 @@ class GenerationWorker:
             engine = self.control_engine() if shard.control else self.engine
             samples = iter(self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
                                          [params[i] for i in todo]))
-            results.update((i, [next(samples) for _ in range(params[i].n)]) for i in todo)
+            for i in todo:
+                results[i] = [next(samples) for _ in range(params[i].n)]
+                if all(r.error for r in results[i]):  # the prompt could not run: one error row, not n
+                    results[i] = results[i][:1]
         if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         rows = []

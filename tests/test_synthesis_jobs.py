@@ -44,7 +44,7 @@ def bpe_pair(tmp_path_factory):
 def synthesis_spec(tmp_path, pair, rows, out="out", **sections):
     data = {
         "name": "synth",
-        "input": {"path": write_jsonl(tmp_path / "in.jsonl", rows), "prompt_template": TEMPLATE,
+        "input": {"path": write_jsonl(tmp_path / f"{out}.jsonl", rows), "prompt_template": TEMPLATE,
                   "system_prompt": "Answer in JSON.", "chat_template": True,
                   "sampling_columns": ["n", "response_format"]},
         "output": {"path": str(tmp_path / out), "format": "openai_batch", "parsed_columns": ["name", "age", "ok"]},
@@ -141,6 +141,7 @@ def test_samples_are_the_same_on_a_rerun_and_after_a_resume(tmp_path, bpe_pair, 
     run_job(again, progress=False)
     assert {(r["id"], r["sample_index"]): r["token_ids"] for r in rows_of(tmp_path / "again")} == first
     os.remove(tmp_path / "first" / "part-00000.parquet")  # as if the job had died before this part
+    os.remove(tmp_path / "first" / "_SUCCESS")
     run_job(spec, progress=False)  # resumed: only that part is generated again
     resumed = {(r["id"], r["sample_index"]): r["token_ids"] for r in rows_of(tmp_path / "first")}
     assert resumed == first

@@ -24,7 +24,7 @@ def init_ray(address: str | None, level: str = "warning", verbose: bool = False)
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=os.cpu_count(), **kwargs)
+        ray.init(address="local", num_cpus=os.cpu_count(), **kwargs)  # not a `ray start` cluster found on the machine
     return True
 
 

@@ -62,7 +62,7 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")  # our own, always
     yield ray
     ray.shutdown()
 

@@ -162,3 +162,49 @@ def test_synthesis_settings_are_checked(tmp_path, section, value, message):
     data[section] = {**data.get(section, {}), **value}
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_spec(data)
+
+
+def test_openai_batch_requests_carry_formats_samples_and_logprobs(tmp_path, bpe_pair, ray_session):
+    """Chat requests as the OpenAI Batch API writes them: `response_format`, `n`, `logprobs` and `top_logprobs`
+    in the body come back as `n` choices that follow the format, with their logprobs; a schema the engine cannot
+    compile answers its own request with an error and the others go on."""
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}
+
+    def request(cid, text, **body):
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "any", "messages": [{"role": "user", "content": text}], "max_tokens": 40,
+                         "temperature": 0.8, "seed": 5, **body}}
+
+    requests = [request(f"p{i}", f"Describe person {i}", response_format=person, n=2, logprobs=True, top_logprobs=2)
+                for i in range(3)]
+    requests += [request("obj", "Any object", response_format={"type": "json_object"}, n=1),
+                 request("free", "the fox", n=2), request("bad", "x", response_format=bad, n=2)]
+    spec = synthesis_spec(tmp_path, bpe_pair, [], input__prompt_template=None, input__system_prompt=None,
+                          input__sampling_columns=[], input__format="openai_batch",
+                          input__path=write_jsonl(tmp_path / "batch.jsonl", requests), output__parsed_columns=[],
+                          generation__n=1, generation__logprobs=False, generation__top_logprobs=0,
+                          generation__response_format=None)
+    run_job(spec, progress=False)
+    lines, rows = openai_lines(tmp_path / "out"), rows_of(tmp_path / "out")
+    assert set(lines) == {r["custom_id"] for r in requests}
+    assert lines["bad"]["response"] is None and lines["bad"]["error"]["code"] == "bad_response_format"
+    assert "'/x'" in lines["bad"]["error"]["message"]  # the engine's own message
+    completed = 0
+    for i in range(3):
+        choices = lines[f"p{i}"]["response"]["body"]["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        assert choices[0]["message"]["content"] != choices[1]["message"]["content"] or \
+            choices[0]["logprobs"] != choices[1]["logprobs"]  # two draws
+        for c in choices:
+            content = c["logprobs"]["content"]
+            assert content and all(len(t["top_logprobs"]) <= 2 and t["logprob"] <= 0 for t in content)
+            if c["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+                completed += 1
+    assert completed >= 3  # most samples complete the small schema within 40 tokens
+    obj = lines["obj"]["response"]["body"]["choices"][0]
+    assert obj["logprobs"] is None and (obj["finish_reason"] != "stop" or isinstance(
+        json.loads(obj["message"]["content"]), dict))
+    assert len(lines["free"]["response"]["body"]["choices"]) == 2
+    assert all(r["parsed"] is not None for r in rows if r["id"].startswith("p") and r["finish_reason"] == "stop")

@@ -109,7 +109,7 @@ class Constraints:
         self.matchers[dst] = None if self.matchers[src] is None else self.matchers[src].deep_copy()
 
     def _mask(self, m) -> np.ndarray:
-        mask = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+        mask = np.frombuffer(m.compute_bitmask(), dtype=np.int32)[: self.words]  # llguidance: vocab // 32 + 1 words
         return mask if mask.any() else np.full(self.words, -1, dtype=np.int32)  # a dead end: unreachable, unmasked
 
     def forced(self, slot: int, limit: int) -> list[int]:

@@ -42,7 +42,7 @@ def requests():
                       "max_tokens": 4 + i}} for i in range(4)]
     text = [{"custom_id": "text-0", "method": "POST", "url": "/v1/completions",
              "body": {"model": "any", "prompt": TEXTS[4], "max_tokens": 6, "temperature": 0.8, "seed": 3,
-                      "logprobs": 2, "n": 1}}]
+                      "logprobs": 2, "n": 1, "frequency_penalty": 0.5}}]
     bad = [{"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
            {"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": "the water", "temperature": -1}}]
@@ -70,7 +70,10 @@ def test_openai_batch_in_and_out(tmp_path, tiny_pair, ray_session):
                                  "total_tokens": row["prompt_tokens"] + row["generated_tokens"]}
     text = lines["text-0"]["response"]["body"]
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == out["text-0"]["completion"]
-    assert out["text-0"]["warnings"] == "ignored request keys: logprobs"  # reported, not silently dropped
+    assert out["text-0"]["warnings"] == "ignored request keys: frequency_penalty"  # reported, not silently dropped
+    assert len(out["text-0"]["logprobs"]) == out["text-0"]["generated_tokens"]  # completions' logprobs: 2 is top 2
+    assert all(len(top) == 2 for top in out["text-0"]["top_logprobs"])
+    assert len(text["choices"][0]["logprobs"]["content"]) == out["text-0"]["generated_tokens"]
     assert lines["bad-url"]["response"] is None and lines["bad-url"]["error"]["code"] == "bad_request"
     assert out["bad-temp"]["error"].startswith("bad_sampling: temperature")
 

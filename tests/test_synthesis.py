@@ -187,6 +187,25 @@ def test_an_output_format_the_engine_cannot_compile_is_that_rows_error(bpe, prom
     assert results[2].error.startswith("bad_response_format:")
 
 
+def test_a_vocabulary_of_whole_mask_words_is_constrained(bpe, prompts):
+    """Real models' vocabularies are often a multiple of 32 (SmolLM2: 49152), where llguidance's bitmask has one
+    word more than the vocabulary needs: the masks still fit and the output follows the format."""
+    tok = bpe[0]
+    vocab = 32 * (len(tok) // 32 + 1)
+    target = tiny_llama(vocab=vocab, seed=4)
+    pair = ModelPair(target, noisy_copy(target, 0.05), tok, (tok.eos_token_id,), vocab)
+    for method in ("draft_model", "prompt_lookup"):
+        eng = SpecEngine(pair, SamplingParams(max_new_tokens=NEW), SpecConfig(method=method), batch_size=4,
+                         profile=flat_profile())
+        eng.clock = iter(range(1 << 30)).__next__
+        fmts = [FORMATS["person"], FORMATS["date"], FORMATS["color"]]
+        results = eng.generate(prompts[:3], params=[SamplingParams(max_new_tokens=NEW, response_format=f)
+                                                    for f in fmts])
+        for r, fmt in zip(results, fmts):
+            assert r.error is None and r.finish_reason == "stop", (method, r.error)
+            check_format(tok.decode(r.token_ids, skip_special_tokens=True), fmt)
+
+
 def test_n_samples_share_a_prefill_and_are_distinct_reproducible_draws(bpe, prompts, monkeypatch):
     from specdec.runner import ModelRunner
     prefilled = []

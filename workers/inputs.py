@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import field_validator, Field
+from pydantic import Field, field_validator, model_validator
 
 from specdec.config import Config
 
@@ -40,6 +40,13 @@ class InputSpec(Config):
     messages_column: str | None = Field(None, description="list of `{role, content}`, rendered with the target's "
                                                           "chat template")
     chat_template: bool = Field(False, description="wrap `prompt_column` text as one user message")
+    prompt_template: str | None = Field(None, description="the prompt text built from the row's columns, `{name}` "
+                                        "standing for a column's value (`{{`/`}}`: a brace), e.g. `Write a question "
+                                        "about {topic}.`; used instead of `prompt_column`; a row without one of "
+                                        "its columns is a `missing_column` error row")
+    system_prompt: str | None = Field(None, description="a system message put before each row's messages (unless "
+                                      "they start with one); needs a chat template (`chat_template` or "
+                                      "`messages_column`)")
     truncate: Literal["error", "left"] = Field("error", description="a prompt longer than the target's context: "
                                               "an error row, or `left`: keep its last tokens")
     format: Literal["rows", "openai_batch"] = Field("rows", description="`rows`: the columns above; "
@@ -48,7 +55,9 @@ class InputSpec(Config):
                                                     "are the row's settings)")
     sampling_columns: list[str] = Field([], description="columns holding a row's own settings, each named as the "
                                         "setting: `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` "
-                                        "(strings), `stop_token_ids`; null or absent: the job's `generation`")
+                                        "(strings), `stop_token_ids`, `n`, `logprobs`, `top_logprobs`, "
+                                        "`response_format` (an object, or its JSON text); null or absent: the job's "
+                                        "`generation`")
 
     @field_validator("sampling_columns")
     @classmethod
@@ -60,6 +69,22 @@ class InputSpec(Config):
             raise ValueError(f"input.sampling_columns: {unknown} are not settings; allowed: {list(SETTINGS)}")
         return columns
 
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_names(cls, template: str | None) -> str | None:
+        if template is not None:
+            template_columns(template)
+        return template
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.prompt_template is not None and (self.messages_column or self.format == "openai_batch"):
+            raise ValueError("input.prompt_template builds a prompt text: it does not go with "
+                             + ("input.messages_column" if self.messages_column else "input.format openai_batch"))
+        if self.system_prompt is not None and not (self.chat_template or self.messages_column):
+            raise ValueError("input.system_prompt needs input.chat_template: true or input.messages_column")
+        return self
+
     @property
     def key_column(self) -> str:
         """The column holding row ids."""
@@ -70,8 +95,34 @@ class InputSpec(Config):
         if self.format == "openai_batch":
             wanted = ["custom_id", "method", "url", "body"]
         else:
-            wanted = [self.id_column, self.prompt_column, self.messages_column, *self.sampling_columns]
+            text = template_columns(self.prompt_template) if self.prompt_template else [self.prompt_column]
+            wanted = [self.id_column, *text, self.messages_column, *self.sampling_columns]
         return list(dict.fromkeys(c for c in [*wanted, *keep] if c))
+
+
+def template_columns(template: str) -> list[str]:
+    """The columns a prompt template names; ValueError for one that is not plain `{column}` fields."""
+    import string
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"input.prompt_template: {exc}") from None
+    bad = [name for name, spec, conv in fields
+           if not name or name.isdigit() or spec or conv or any(c in name for c in ".[]")]
+    if bad:
+        raise ValueError(f"input.prompt_template: {{{bad[0]}}} is not a column name (write {{column}}; "
+                         "{{ and }} for braces)")
+    return list(dict.fromkeys(name for name, _, _ in fields))
+
+
+def render_template(template: str, row: dict) -> str:
+    """The template with each `{column}` replaced by the row's value (strings as they are, others as JSON)."""
+    missing = [c for c in template_columns(template) if row.get(c) is None]
+    if missing:
+        raise ValueError(f"missing_column: the row has no {missing[0]!r} (input.prompt_template)")
+    return template.format_map({c: v if isinstance(v := row[c], str) else json.dumps(v, ensure_ascii=False)
+                                for c in template_columns(template)})
 
 
 class InputError(ValueError):
@@ -293,6 +344,7 @@ def _name_duplicates(shards: list[Shard], id_column: str, suspect: set[int]) -> 
 
 def render_prompt(row: dict, tokenizer, input_spec: InputSpec) -> list[int]:
     """Token ids for one row, or raises ValueError("reason: detail"), which becomes the row's error."""
+    system = [{"role": "system", "content": input_spec.system_prompt}] if input_spec.system_prompt else []
     if input_spec.messages_column:
         messages = row.get(input_spec.messages_column)
         if not isinstance(messages, list) or not messages or not all(
@@ -301,16 +353,21 @@ def render_prompt(row: dict, tokenizer, input_spec: InputSpec) -> list[int]:
         ):
             raise ValueError(f"bad_messages: {input_spec.messages_column!r} must be a non-empty list of "
                              "{role, content} strings")
-        return _chat(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+        if messages[0]["role"] == "system":
+            system = []
+        return _chat(tokenizer, system + [{"role": m["role"], "content": m["content"]} for m in messages])
     column = input_spec.prompt_column
-    if column not in row:
+    if input_spec.prompt_template:
+        text, column = render_template(input_spec.prompt_template, row), "input.prompt_template"
+    elif column not in row:
         raise ValueError(f"missing_prompt: the row has no {column!r} (input.prompt_column)")
-    text = row[column]
+    else:
+        text = row[column]
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"empty_prompt: {column!r} is {'empty' if isinstance(text, str) else repr(text)}, not a "
                          "non-empty string")
     if input_spec.chat_template:
-        return _chat(tokenizer, [{"role": "user", "content": text}])
+        return _chat(tokenizer, system + [{"role": "user", "content": text}])
     return _tokenize(lambda: tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -17,16 +17,16 @@ import time
 
 from specdec.config import SampleResult, SamplingParams, SpecConfig
 from specdec.memory import out_of_memory
-from specdec.stops import cut_at_stop
 
 from . import faults, logs
 from .fetch import localize
 from .inputs import Shard, read_shard, render_prompt
+from .outputs import commit_jsonl, output_row, parquet_bytes, parsed_types, part_entry
 from .preflight import device_name
-from .outputs import commit_jsonl, parquet_bytes, part_entry
 from .requests import interpret, settings
 from .spec import WorkerSpec, models_used
 from .storage import open_storage
+
 
 class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
@@ -107,14 +107,14 @@ class GenerationWorker:
         inp = self.spec.input
         keep = self.spec.output.keep_columns
         records = read_shard(shard, inp.key_column, inp.columns(keep))
-        results: dict[int, SampleResult] = {}
+        results: dict[int, list[SampleResult]] = {}  # per record: its samples (one error row if it cannot run)
         prompts: dict[int, list[int]] = {}
         params: dict[int, SamplingParams] = {}
         warnings: dict[int, str] = {}
         chat: dict[int, bool] = {}
         for i, rec in enumerate(records):
             if rec.error:
-                results[i] = SampleResult.failed(rec.id, 0, rec.error)
+                results[i] = [SampleResult.failed(rec.id, 0, rec.error)]
                 continue
             try:  # a bad row is that row's error, never the job's
                 fields, view, overrides, unknown, chat[i] = interpret(rec.row, inp)
@@ -123,24 +123,27 @@ class GenerationWorker:
                 params[i] = settings(self.spec.generation, overrides)
                 prompts[i] = render_prompt(fields, self.tokenizer, view)
             except ValueError as exc:
-                results[i] = SampleResult.failed(rec.id, 0, str(exc))
+                results[i] = [SampleResult.failed(rec.id, 0, str(exc))]
         todo = list(prompts)
         with _group_guard():
             engine = self.control_engine() if shard.control else self.engine
-            results.update(zip(todo, self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
-                                                   [params[i] for i in todo])))
+            samples = iter(self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
+                                         [params[i] for i in todo]))
+            for i in todo:
+                results[i] = [next(samples) for _ in range(params[i].n)]
+                if all(r.error for r in results[i]):  # the prompt could not run: one error row, not n
+                    results[i] = results[i][:1]
         if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         faults.gate("process")  # test hook: wait for a test to release or kill this process
         rows = []
         for i, rec in enumerate(records):
-            r = results[i]
-            text = None if r.error else cut_at_stop(self.tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                                                    r.stop_string)
             row = rec.row if rec.row is not None else {}
-            rows.append({"id": rec.id, "completion": text, **r.stats(), "warnings": warnings.get(i),
-                         "chat": chat.get(i), "control": shard.control, **{k: row.get(k) for k in keep}})
-        data = parquet_bytes(rows, keep)
+            for r in results[i]:
+                rows.append({"id": rec.id, **output_row(r, self.tokenizer, params.get(i)), "warnings": warnings.get(i),
+                             "chat": chat.get(i), "control": shard.control, **{k: row.get(k) for k in keep}})
+        data = parquet_bytes(rows, keep, parsed_types(self.spec.output.parsed_columns,
+                                                      self.spec.generation.response_format))
         created = self.storage.put_if_absent(shard.part, data)
         if not created:  # another attempt committed it first: that part stands, ours is dropped
             data = self.storage.read_bytes(shard.part)
@@ -193,7 +196,8 @@ class GenerationWorker:
             mid = len(prompts) // 2
             return (self.generate(engine, prompts[:mid], keys[:mid], params[:mid])
                     + self.generate(engine, prompts[mid:], keys[mid:], params[mid:]))
-        return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone")]
+        return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone", s)
+                for s in range(params[0].n)]
 
     def _peak_gpu_bytes(self) -> int | None:
         import torch

@@ -91,6 +91,7 @@ def timed(eng, reqs, max_new: int, jump_forward: bool = True) -> dict:
     finally:
         grammar.Constraints.forced = forced
     gen = sum(r.generated_tokens for r in res)
+    print(f"  ({eng.spec.method}, batch {eng.batch_size}: {gen} tokens in {wall:.1f} s)", file=sys.stderr, flush=True)
     valid = 0
     for r, (_, _, schema) in zip(res, reqs):
         if r.error is None and r.finish_reason == "stop":
@@ -138,12 +139,12 @@ def main():
             ratios[name] = [r["tok_s"] / interpolate(baseline[i], baseline[i + 1], r["at"])
                             for i, r in enumerate(results[name])]
         ratios[base_name] = [mid["tok_s"] / interpolate(a, b, mid["at"])  # the baseline against itself: drift
-                             for a, mid, b in zip(baseline, baseline[1:], baseline[2:])] or [1.0]
+                             for a, mid, b in zip(baseline, baseline[1:], baseline[2:])]
         results[base_name] = baseline
         base_tokens = baseline[0]["tokens"]
         for name, _, _ in runs:
             best = max(results[name], key=lambda r: r["tok_s"])
-            rs = ratios[name]
+            rs = ratios[name] or [float("nan")]  # the baseline's drift needs two repeats
             same = min(sum(a == b for a, b in zip(r["tokens"], base_tokens)) for r in results[name])
             print(f"{name:34s} {bs:5d} {best['tok_s']:7.1f} {statistics.median(rs):6.2f} "
                   f"{min(rs):5.2f}-{max(rs):4.2f} {best['per_call']:8.2f} {best['forced']:6.2f} "

@@ -2,11 +2,13 @@
 trees) beside the lossless settings, on code completion (stdlib n-r, bench/code_prompts.py) and chat
 (bench/prompts.py HELD_OUT), in one run.
 
-    python bench/quality.py [--tasks code,chat] [--batches 1,8] [--settings ar,dm:k=4,...] [--n 16]
-                            [--max-new 64] [--repeats 2] [--heal] [--plot quality.png] [--json quality.json]
+    python bench/quality.py [--tasks code,chat] [--batches 1,8] [--settings ar,dm:k=4,...] [--n 32]
+                            [--max-new 64] [--repeats 2] [--heal] [--dtype float32] [--plot quality.png]
+                            [--json quality.json]
 
-The full defaults take about 13 runs x (repeats + 1) x tasks x batches; on the 2-core CPU (bf16) a
-run of 16 prompts x 64 tokens takes 25-60 s at batch 1: trim with --n, --repeats or --settings.
+The full defaults take about 13 runs x (repeats + 1) x tasks x batches; on the 2-core CPU a run of 32
+prompts x 64 tokens takes 50-120 s at batch 1: trim with --repeats or --settings. Exact-match figures
+need --dtype float32 (in bf16 a multi-token verification rounds differently from a one-token step).
 
 A setting is `ar` (autoregressive: method none) or METHOD:k=K[:s=S][:fuzzy=DIV@T][:cond=A@B], where
 METHOD is `dm` (draft model), `pld` (prompt lookup, n-grams 6..1) or `aasd` (prompt lookup with AASD
@@ -18,13 +20,20 @@ the lossless counterpart of its relaxed variants. Every setting's SpecConfig is 
 
 Per (task, batch, setting): `ratio` is tokens/s paired against autoregressive (each repeat starts with
 an AR run and one more ends the last; a run is divided by AR's speed interpolated in time between the
-two AR runs bracketing it, other settings rotate each repeat; median over repeats, as bench/policies.py),
+two AR runs bracketing it, other settings rotate each repeat; median over repeats, as bench/policies.py; goodput's cost profile is
+measured once per method and batch size, as a job's worker does once),
 tokens per target call, acceptance, `exact` the fraction of rows identical to the lossless counterpart's
 output (AR's for lossless settings and where the counterpart did not run; in float32 greedy lossless
 equals AR), `=ar` the fraction identical to AR, `loglik` the target's mean log-probability per generated
 token of the output (teacher-forced, float32 log_softmax, untimed, token-weighted over rows), and for code
 the mean edit similarity to the reference and the parse rate (code_prompts.parses). Outputs are the
 first repeat's.
+
+Power: 32 prompts per task by default (chat has 16 held-out instructions at most). Quality figures carry a
+95% bootstrap interval over prompts (`[lo-hi]`); a relaxed setting is also compared with its lossless
+counterpart pairwise: `vs ll` its speed over the counterpart's in the same repeat (median over repeats), and
+`dsim%` its edit similarity's relative change (log-likelihood's difference for chat) with the interval of
+the same bootstrap, prompts resampled jointly for both.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import sys
@@ -133,7 +143,7 @@ def loglik(pair, prompt: list[int], out: list[int]) -> float:
 def task_prompts(task: str, n: int | None, tokenizer, heal: bool = False):
     """(token-id prompts, code items or None) of a task; `heal`: code prompts without their final newline."""
     if task == "code":
-        items = code_prompts(n or 16)
+        items = code_prompts(n or 32)
         return [tokenizer(c["prompt"][:-1] if heal else c["prompt"], add_special_tokens=False)["input_ids"]
                 for c in items], items
     return chat_ids(tokenizer, HELD_OUT[: n or len(HELD_OUT)]), None
@@ -142,8 +152,12 @@ def task_prompts(task: str, n: int | None, tokenizer, heal: bool = False):
 def run_block(pair, settings, prompts, bs, args):
     """Timed runs of every setting at one batch size: {name: {"ratios", "tok_s", "results"}}."""
     def one(st):
-        eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec_config(st), batch_size=bs)
-        eng.measure_costs()  # goodput's start-up cost profile, once per worker: not in tok/s
+        key = (st["method"], st["s"])  # relaxed settings verify what their counterpart drafts: the same costs
+        eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec_config(st), batch_size=bs,
+                         profile=profiles.get(key))
+        eng.measure_costs()  # goodput's start-up cost profile, once per worker (here per method): not in tok/s
+        if eng.profile is not None:
+            profiles.setdefault(key, eng.profile)
         sync(eng.device)
         t = time.perf_counter()
         res = eng.generate(prompts)
@@ -156,6 +170,7 @@ def run_block(pair, settings, prompts, bs, args):
     ar = next(st for st in settings if st["name"] == "ar")
     others = [st for st in settings if st["name"] != "ar"]
     runs: dict[str, dict] = {}
+    profiles: dict[tuple, object] = {}
     timed_generate(SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec_config(ar), batch_size=bs),
                    prompts[:bs])  # untimed: the first run at a batch size pays its warm-up
     baseline, timed = [one(ar)], []
@@ -181,6 +196,7 @@ def figures(pair, task, bs, st, runs, prompts, items, ll_cache, heal=False) -> d
         if key not in ll_cache:
             ll_cache[key] = loglik(pair, p, o)
     gen = sum(len(o) for o in outs)
+    same_ar = [float(o == r.token_ids) for o, r in zip(outs, runs["ar"]["results"])]
     drafted, rounds = sum(r.drafted_tokens for r in res), sum(r.rounds for r in res)
     ratios = runs[st["name"]]["ratios"] or [1.0]
     fig = {"task": task, "batch": bs, "setting": st["name"], "lossless_counterpart": st["lossless"],
@@ -188,22 +204,53 @@ def figures(pair, task, bs, st, runs, prompts, items, ll_cache, heal=False) -> d
            "ratio": statistics.median(ratios), "ratios": ratios, "tok_s": runs[st["name"]]["tok_s"],
            "per_call": gen / rounds if rounds else None,
            "accept": sum(r.accepted_tokens for r in res) / drafted if drafted else None,
-           "exact": same(ref_name), "exact_ar": same("ar"),
+           "exact": same(ref_name), "exact_ar": same("ar"), "exact_ar_ci": bootstrap(mean_at(same_ar), len(outs)),
+           "logliks": [ll_cache[(tuple(p), tuple(o))] / max(len(o), 1) for p, o in zip(prompts, outs)],
            "loglik": sum(ll_cache[(tuple(p), tuple(o))] for p, o in zip(prompts, outs)) / max(gen, 1),
            "verification": dict(Counter(str(getattr(r, "verification", None)) for r in res)),
-           "edit_sim": None, "parse_rate": None}
+           "edit_sim": None, "edit_sims": None, "edit_sim_ci": None, "parse_rate": None,
+           "vs_lossless": None, "dquality": None, "dquality_ci": None}
     if items is not None:
         comps = [pair.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
         if heal:  # the prompt ran without its final newline: score what follows the whole prompt
             comps = [full[len(it["prompt"]):] if (full := it["prompt"][:-1] + c).startswith(it["prompt"]) else c
                      for c, it in zip(comps, items)]
-        fig["edit_sim"] = statistics.mean(edit_similarity(c, it["reference"]) for c, it in zip(comps, items))
+        fig["edit_sims"] = [edit_similarity(c, it["reference"]) for c, it in zip(comps, items)]
+        fig["edit_sim"] = statistics.mean(fig["edit_sims"])
+        fig["edit_sim_ci"] = bootstrap(mean_at(fig["edit_sims"]), len(comps))
         fig["parse_rate"] = statistics.mean(parses(it["prompt"], c) for c, it in zip(comps, items))
     return fig
 
 
 def fmt(v, spec=".2f"):
     return "-" if v is None else format(v, spec)
+
+
+def bootstrap(stat, n: int, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of `stat(indices)` over `reps` resamples (with replacement) of range(n)."""
+    rng = random.Random(seed)
+    vals = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(reps))
+    return vals[int(0.025 * reps)], vals[int(0.975 * reps) - 1]
+
+
+def mean_at(xs: list[float]):
+    """The statistic `mean of xs over the resampled indices`, for bootstrap."""
+    return lambda idx: sum(xs[i] for i in idx) / len(idx)
+
+
+def compare(fig: dict, base: dict, runs: dict) -> None:
+    """Pair a relaxed setting's figures with its lossless counterpart's (same prompts, same repeats): speed
+    ratio per repeat (median), and the quality change with a joint bootstrap over prompts."""
+    a, b = runs[fig["setting"]]["ratios"], runs[base["setting"]]["ratios"]
+    fig["vs_lossless"] = statistics.median(x / y for x, y in zip(a, b)) if a and b else None
+    key = "edit_sims" if fig["edit_sims"] is not None else "logliks"
+    x, y = fig[key], base[key]
+    if key == "edit_sims":  # relative change of the mean, in percent
+        stat = lambda idx: 100 * (sum(x[i] for i in idx) / max(sum(y[i] for i in idx), 1e-9) - 1)  # noqa: E731
+    else:  # mean difference of per-prompt log-likelihood per token
+        stat = lambda idx: sum(x[i] - y[i] for i in idx) / len(idx)  # noqa: E731
+    fig["dquality"] = stat(range(len(x)))
+    fig["dquality_ci"] = bootstrap(stat, len(x))
 
 
 def plot(figs, path):
@@ -247,7 +294,7 @@ def main():
     ap.add_argument("--tasks", default="code,chat")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma list (grammar above); ar is always run")
-    ap.add_argument("--n", type=int, default=None, help="prompts per task (default 16; chat has 16 at most)")
+    ap.add_argument("--n", type=int, default=None, help="prompts per task (default 32; chat has 16 at most)")
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--heal", action="store_true",
@@ -278,7 +325,9 @@ def main():
           f"{'healed' if args.heal else 'newline-ended'} code prompts, {describe(pair)}", flush=True)
     engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
     head = (f"{'task':4s} {'batch':>5s} {'setting':28s} {'ratio':>5s} {'range':>9s} {'tok/call':>8s} {'accept':>6s} "
-            f"{'exact':>5s} {'=ar':>5s} {'loglik':>7s} {'editsim':>7s} {'parse':>5s} verification")
+            f"{'exact':>5s} {'=ar [95%]':>15s} {'loglik':>7s} {'editsim [95%]':>19s} {'parse':>5s} {'vs ll':>5s} "
+            f"{'dsim% [95%]':>20s} verification")
+    ci = lambda v, lo_hi, spec: "-" if v is None else f"{v:{spec}} [{lo_hi[0]:{spec}}-{lo_hi[1]:{spec}}]"  # noqa: E731
     figs, ll_cache = [], {}
     for task in tasks:
         prompts, items = task_prompts(task, args.n, pair.tokenizer, args.heal)
@@ -289,14 +338,20 @@ def main():
             t0 = time.perf_counter()
             runs = run_block(pair, settings, prompts, bs, args)
             print(f"# {task} batch {bs}: {len(prompts)} prompts, {time.perf_counter() - t0:.0f} s timed runs\n{head}")
+            block = {st["name"]: figures(pair, task, bs, st, runs, prompts, items, ll_cache, args.heal)
+                     for st in settings}
             for st in settings:
-                f = figures(pair, task, bs, st, runs, prompts, items, ll_cache, args.heal)
+                f = block[st["name"]]
+                if st["relax"] and st["lossless"] in block:
+                    compare(f, block[st["lossless"]], runs)
                 figs.append(f)
                 rng = f"{min(f['ratios']):.2f}-{max(f['ratios']):.2f}"
                 ver = ",".join(f"{v}:{c}" for v, c in f["verification"].items() if v != "None") or "-"
+                dq = ci(f["dquality"], f["dquality_ci"], "+.1f" if items is not None else "+.3f")
                 print(f"{task:4s} {bs:5d} {st['name']:28s} {f['ratio']:5.2f} {rng:>9s} {fmt(f['per_call']):>8s} "
-                      f"{fmt(f['accept']):>6s} {f['exact']:5.2f} {f['exact_ar']:5.2f} {f['loglik']:7.3f} "
-                      f"{fmt(f['edit_sim'], '.3f'):>7s} {fmt(f['parse_rate']):>5s} {ver}", flush=True)
+                      f"{fmt(f['accept']):>6s} {f['exact']:5.2f} {ci(f['exact_ar'], f['exact_ar_ci'], '.2f'):>15s} "
+                      f"{f['loglik']:7.3f} {ci(f['edit_sim'], f['edit_sim_ci'] or (0, 0), '.3f'):>19s} "
+                      f"{fmt(f['parse_rate']):>5s} {fmt(f['vs_lossless']):>5s} {dq:>20s} {ver}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": command, "device": describe(pair), "max_new_tokens": args.max_new,

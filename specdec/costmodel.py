@@ -131,13 +131,17 @@ class CostModel:
         self.stamp: dict[tuple[int, int, int], int] = {}  # (bucket, K, s) -> round of its last sample
         self.last: dict[int, tuple[int, int]] = {}  # bucket -> the (K, s) of its last sampled round
         self.rounds = 0
+        self._base: dict[tuple, np.ndarray] = {}  # (bucket, top, widths...) -> the profile's round times
 
     def seconds(self, n: int, top: int, s: int = 0, fan: float = 1.0) -> np.ndarray:
         """[top + 1] predicted seconds of a round of k = 0..top drafts at n rows (as if its bucket were full;
         nan where the profile cannot say), drafting trees of at most s siblings per node with `fan` nodes per
         level (s = 0: chains, fan 1)."""
         b = bucket(n)
-        t = self.profile.rounds(b, top, self.pad, fan) * (statistics.median(self.level[b]) if b in self.level else 1.0)
+        key = (b, top, *(tree_width(k, fan) for k in range(top + 1)))  # fan acts only through the widths
+        if key not in self._base:
+            self._base[key] = self.profile.rounds(b, top, self.pad, fan)
+        t = self._base[key] * (statistics.median(self.level[b]) if b in self.level else 1.0)
         for (bb, k, ss), fix in self.correction.items():
             if bb == b and ss == s and k <= top:
                 t[k] *= statistics.median(fix)

@@ -49,7 +49,7 @@ def test_lookup_takes_latest_longest_match():
 
     def lookup(seq, k, max_ngram, min_ngram):
         starts = NgramPool(max_ngram, min_ngram).lookup(list(seq))
-        return list(seq[starts[0] : starts[0] + k]) if starts else []
+        return list(seq[starts[-1] : starts[-1] + k]) if starts else []
 
     seq = [1, 2, 3, 9, 9, 2, 3, 4, 5, 7, 2, 3]
     assert lookup(seq, 3, max_ngram=3, min_ngram=1) == [4, 5, 7]  # latest "2 3" is followed by 4 5 7
@@ -60,7 +60,7 @@ def test_lookup_takes_latest_longest_match():
     pool.extend([4, 5, 6])
     assert pool.lookup([4, 5, 6, 1, 4, 5]) == [2]  # "4 5" -> 6, indexed when 6 was appended
     assert pool.lookup([4, 5, 6, 1, 4, 5, 9, 1, 4]) == [5]  # the latest "1 4" now: followed by 5 at index 5
-    assert NgramPool(6, 1).lookup([4, 5, 6, 1, 4, 5, 7, 4, 5]) == [6, 2]  # every occurrence, the latest first
+    assert NgramPool(6, 1).lookup([4, 5, 6, 1, 4, 5, 7, 4, 5]) == [2, 6]  # every occurrence, the latest last
 
 
 def test_more_rows_than_batch_and_per_row_lengths(target, drafts, prompts, reference):

@@ -46,12 +46,12 @@ class NgramPool:
 
     def lookup(self, tokens: list[int]) -> list[int]:
         """Where drafts start: the followers of every earlier occurrence of the longest suffix of `tokens` that
-        occurred before, latest first (empty if none)."""
+        occurred before, latest last (empty if none). The pool's own list, not a copy: read it, never change it."""
         self.extend(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             starts = self.index.get(tuple(tokens[len(tokens) - n :]))
             if starts:
-                return starts[::-1]
+                return starts
         return []
 
 
@@ -93,7 +93,7 @@ class PromptLookupProposer(Proposer):
             children[len(toks)] = {}
             return len(toks)
 
-        for j, start in enumerate(starts if s else starts[:1]):  # every occurrence's continuation, merged
+        for j, start in enumerate(reversed(starts) if s else starts[-1:]):  # every occurrence's, latest first
             if len(toks) >= budget:
                 break  # a full tree takes no more: later occurrences would only walk it
             node = 0

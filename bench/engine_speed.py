@@ -47,8 +47,8 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def make_engine(pair, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, **spec):
-    return SpecEngine(pair, SamplingParams(max_new_tokens=max_new),
+def make_engine(pair, method, bs, k, max_new, draft_length="fixed", draft_vocab=0, temperature=0.0, **spec):
+    return SpecEngine(pair, SamplingParams(max_new_tokens=max_new, temperature=temperature),
                       SpecConfig(method=method, num_draft_tokens=k, draft_length=draft_length,
                                  draft_vocab=draft_vocab, **spec), batch_size=bs)
 

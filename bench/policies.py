@@ -54,6 +54,9 @@ def main():
                          "prompts (untimed), so what a policy learns (goodput's timings) is not relearned per run")
     ap.add_argument("--compare-padding", action="store_true",
                     help="also run every fixed k with verify_padding off (what measured verify widths gain)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample every row at this temperature (0: greedy)")
+    ap.add_argument("--coupled", action="store_true",
+                    help="also run every speculative setting with speculation.sampling: coupled (with --temperature)")
     add_model_args(ap)
     args = ap.parse_args()
     families = set(args.policies.split(","))
@@ -61,7 +64,8 @@ def main():
         ap.error(f"unknown --policies {sorted(families - FAMILIES)}; choose from {sorted(FAMILIES)}")
     pair = load_bench_pair(args)
     dv = args.draft_vocab
-    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, greedy, draft_vocab={dv}, "
+    print(f"# held-out chat prompts, max_new_tokens={args.max_new}, "
+          f"{f'temperature {args.temperature}' if args.temperature else 'greedy'}, draft_vocab={dv}, "
           f"best of {args.repeats} interleaved runs{', warm engines' if args.warm else ''}, {describe(pair)}")
     engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
     print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'paired':>6s} {'range':>10s} "
@@ -88,16 +92,19 @@ def main():
                       dict(method="draft_model", k=2, draft_length="acceptance_head",
                            acceptance_head={"path": head, "threshold": float(t)}, max_draft_tokens=args.max_draft))
                      for t in args.thresholds.split(",")]
+        if args.coupled:  # the same settings verifying sampled rows by coupled sampling
+            runs += [(f"{name} coupled", dict(kw, sampling="coupled")) for name, kw in runs[1:]]
         best: dict[str, dict] = {}
         ratios: dict[str, list[float]] = {}
 
         def build(kw):
             kw = dict(kw)
             if kw.pop("defaults", False):
-                eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method=kw["method"]),
-                                 batch_size=bs)
+                eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new, temperature=args.temperature),
+                                 SpecConfig(**kw), batch_size=bs)
             else:
-                eng = make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv, **kw)
+                eng = make_engine(pair, kw.pop("method"), bs, kw.pop("k"), args.max_new, draft_vocab=dv,
+                                  temperature=args.temperature, **kw)
             eng.measure_costs()  # goodput's cost profile, as a worker measures it when it loads its models
             return eng
 

@@ -59,6 +59,7 @@ class Batch:
 
     proposer: Proposer  # set by the engine once the batch exists (a proposer keeps per-row state of it)
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
+    noise: torch.Tensor | None = None  # coupled sampling: this round's Gumbel noise [n, width, vocab] by position
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int,
                  sampling: SamplingParams):

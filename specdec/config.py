@@ -173,6 +173,11 @@ class SpecConfig(Config):
                                        "relaxed, opt-in and measured (bench/quality.py): `fuzzy` (FSD, `draft_model`: "
                                        "accept where the models' distributions are close) or `conditional` (AASD, "
                                        "`prompt_lookup`: accept a token from the prompt the target finds likely enough)")
+    sampling: Literal["rejection", "coupled"] = Field(
+        "rejection", description="how sampled rows (temperature > 0) verify, both lossless: `rejection` (speculative "
+        "sampling: the most accepted tokens) or `coupled` (Gumbel-max noise keyed by the row's seed and each output "
+        "position: the tokens of plain decoding with that seed whatever the draft lengths, so reruns and resumes give "
+        "the same samples under `goodput`; fewer tokens accepted)")
     confidence_threshold: float = Field(0.4, gt=0.0, lt=1.0, description="`confidence`: stop a row's draft after a "
                                         "token the draft gave less than this probability")
     acceptance_head: AcceptanceHeadConfig | None = Field(None, description="`{path, threshold}` for "
@@ -207,6 +212,9 @@ class SpecConfig(Config):
         if needs and self.method != needs:
             raise ValueError(f"speculation.verification {self.verification} needs speculation.method {needs} "
                              f"(not {self.method})")
+        if self.sampling == "coupled" and self.verification != "lossless":
+            raise ValueError(f"speculation.sampling coupled needs speculation.verification lossless "
+                             f"(not {self.verification})")
         for name in ("fuzzy", "conditional"):
             if getattr(self, name) is not None and self.verification != name:
                 raise ValueError(f"speculation.{name} is set but speculation.verification is {self.verification}")

@@ -66,9 +66,10 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
         batch.proposer.rewind(n)
 
     def draft_seconds(n: int, k: int) -> float:
-        u = loop.uniforms(n)  # the draft's share of the round's uniforms, when sampling
-        u = None if u is None else u[:, :m]
-        t = best(lambda: batch.proposer.propose(n, np.full(n, k), u))  # the draft cache's length stays as it was
+        def run():
+            u = loop.randomness(n, k + 1)  # the draft's share of the round's uniforms (or noise), when sampling
+            batch.proposer.propose(n, np.full(n, k), None if u is None else u[:, :m])
+        t = best(run)  # the draft cache's length stays as it was
         reset(n)
         return t
 
@@ -86,7 +87,7 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
             draft.tree = Tree(parent[None].expand(n, k), depths[None].expand(n, k), depth)
 
         def run():
-            loop.verify(n, draft, width, loop.uniforms(n))
+            loop.verify(n, draft, width, loop.randomness(n, (k if depth is None else depth) + 1))
             reset(n)
         return best(run)
 

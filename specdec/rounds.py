@@ -64,6 +64,7 @@ class Rounds:
         self.on_round = on_round
         self.m = engine.spec.max_draft_tokens if engine.spec.method != "none" else 0
         self.random = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw uniforms
+        self.coupled = self.random and engine.spec.sampling == "coupled"  # ... or Gumbel noise by position
         self.top = max((r.sp.top_logprobs for r in requests if r.sp.logprobs), default=-1)  # -1: no logprobs
         self.waiting = self.joined = 0
 
@@ -122,7 +123,7 @@ class Rounds:
         b, n = self.b, self.b.n
         limits = self.limits(n)
         t0 = self.e.clock()
-        u = self.uniforms(n)  # [n, 2M + 1] or None: the draft's first M, the rule's M + 1
+        u = self.randomness(n, int(limits.max(initial=0)) + 1)  # [n, 2M + 1] or None: the draft's M, the rule's M + 1
         draft = b.proposer.propose(n, limits, None if u is None else u[:, : self.m], self.policy.siblings)
         widths = self.e.widths if draft.tree is None else None  # a tree's forward is as wide as the tree
         k = draft.tokens.shape[1]
@@ -138,12 +139,37 @@ class Rounds:
         if self.on_round is not None:
             self.on_round(emitted)
 
+    def randomness(self, n: int, width: int) -> torch.Tensor | None:
+        """This round's uniforms (`uniforms`); coupled, the noise of rows [0, n)'s next `width` positions, kept
+        in the batch for the draft and the rule."""
+        self.b.noise = self.noise(n, width) if self.coupled else None
+        return self.uniforms(n)
+
     def uniforms(self, n: int) -> torch.Tensor | None:
-        """This round's uniforms of rows [0, n) (None when greedy): a fixed count per row and round, so a row's
-        stream does not depend on its batch."""
-        if not self.random:
+        """This round's uniforms of rows [0, n) (None when greedy or coupled): a fixed count per row and round, so
+        a row's stream does not depend on its batch."""
+        if not self.random or self.coupled:
             return None
         return sampling.uniforms([r.generator for r in self.b.rows[:n]], 2 * self.m + 1, self.b.device)
+
+    def noise(self, n: int, width: int) -> torch.Tensor:
+        """Coupled sampling's Gumbel noise [n, width, vocab] of rows [0, n)'s next `width` output positions."""
+        keys = [None if r.generator is None else r.generator.initial_seed() for r in self.b.rows[:n]]
+        return sampling.gumbel(keys, self.b.lens[:n], width, self.b.vocab_size, self.b.device)
+
+    def coupled_logits(self, logits: torch.Tensor, draft: Draft, rows: sampling.Rows) -> torch.Tensor:
+        """The logits [n, T+1, vocab] perturbed by each node's position's noise (a node at depth d of a row
+        predicts the token at position lens + d): sampled rows' tokens are then their argmax."""
+        n, k = draft.tokens.shape
+        depth = (trees.with_root(draft.tree.depth) if draft.tree is not None
+                 else torch.arange(k + 1, device=logits.device).expand(n, k + 1))
+        width = int(depth.max()) + 1
+        noise = self.b.noise
+        if noise is None or noise.shape[0] != n or noise.shape[1] < width:
+            noise = self.noise(n, width)
+        if draft.tree is None:
+            return sampling.coupled(logits, rows, noise[:, : k + 1])
+        return sampling.coupled(logits, rows, noise.gather(1, depth[..., None].expand(-1, -1, noise.shape[-1])))
 
     def verify(self, n: int, draft: Draft, width: int, u: torch.Tensor | None) -> Readback:
         """One target forward over [pending, draft] (chains padded with junk to `width` >= k + 1), the rule's
@@ -172,7 +198,10 @@ class Rounds:
         if draft.allowed is not None:
             logits = logits.masked_fill(~draft.allowed, float("-inf"))
         rows = b.sp.view(n)
-        v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :])
+        if self.coupled:  # verification is argmax matching on the perturbed logits
+            v = self.e.rule(self.coupled_logits(logits, draft, rows), draft, sampling.as_greedy(rows), None)
+        else:
+            v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :])
 
         new = draft.tokens
         if v.path is not None:  # keep the accepted path: its tokens, and its keys and values moved into place

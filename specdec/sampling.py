@@ -8,7 +8,8 @@ may each have their own settings (`Rows`): processing is then per row, the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -131,6 +132,39 @@ def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     x = u * cdf[:, -1]
     idx = torch.searchsorted(cdf, x[:, None], right=True).squeeze(-1)  # first slot whose cdf exceeds x
     return idx.clamp_(max=dist.shape[-1] - 1)
+
+
+def as_greedy(rows: Rows) -> Rows:
+    """`rows` read as greedy: for logits already perturbed by `coupled` (their argmax is each row's token)."""
+    ones = torch.ones_like(rows.temperature)
+    return replace(rows, temperature=ones, top_k=torch.zeros_like(rows.top_k), top_p=ones,
+                   greedy_rows=torch.ones_like(rows.greedy_rows), greedy=True, any_greedy=True, any_top_k=False,
+                   any_top_p=False)
+
+
+def coupled(logits: torch.Tensor, rows: Rows, noise: torch.Tensor) -> torch.Tensor:
+    """Coupled sampling (Gumbel-max): each row's processed logits [n, w, vocab] plus its positions' Gumbel noise
+    [n, w, vocab] (zeros for greedy rows). The argmax at a position is an exact draw from the row's processed
+    distribution there, and depends only on the noise of that position, not on how the output was drafted."""
+    return processed(logits, rows) + noise
+
+
+def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, device) -> torch.Tensor:
+    """[n, width, vocab] Gumbel noise for output positions start[i] .. start[i] + width - 1 of each row, drawn
+    from a generator keyed by (the row's key, the position) alone. A row without a key (greedy) gets zeros."""
+    noise = torch.zeros((len(keys), width, vocab))
+    g = torch.Generator()
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        for j in range(width):
+            digest = hashlib.blake2b(f"{key}:{int(start[i]) + j}".encode(), digest_size=8).digest()
+            g.manual_seed(int.from_bytes(digest, "little") >> 1)
+            noise[i, j] = torch.rand(vocab, generator=g)
+        noise[i] = -torch.log(-torch.log(noise[i].clamp_(min=torch.finfo(torch.float32).tiny)))
+    if torch.device(device).type == "cuda":
+        return noise.pin_memory().to(device, non_blocking=True)
+    return noise
 
 
 def uniforms(generators: list[torch.Generator | None], count: int, device) -> torch.Tensor:

@@ -43,13 +43,13 @@ def chain(n: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return ar, ar + 1
 
 
-def _with_root(x: torch.Tensor) -> torch.Tensor:
+def with_root(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (1, 0))  # node 0: parent 0, depth 0
 
 
 def ancestors(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
     """[n, T+1, T+1] bool: anc[i, j, a] is true when node a is node j itself or one of its ancestors."""
-    par = _with_root(parent)
+    par = with_root(parent)
     n, t1 = par.shape
     anc = torch.eye(t1, dtype=torch.bool, device=par.device)[None].repeat(n, 1, 1)
     cur = torch.arange(t1, device=par.device)[None, :].expand(n, t1)
@@ -66,7 +66,7 @@ def tree_inputs(parent: torch.Tensor, depth: torch.Tensor, base: torch.Tensor, k
     read yet (at slots base - before .. base - 1, clamped at 0, each seeing the row up to itself)."""
     n, t = parent.shape
     ar = torch.arange(t + 1, device=parent.device)
-    positions = base[:, None] + _with_root(depth)
+    positions = base[:, None] + with_root(depth)
     slots = base[:, None] + ar[None, :]
     rel = torch.arange(kv_len, device=parent.device)[None, :] - base[:, None]  # [n, kv_len]: slot - base
     inside = (rel >= 0) & (rel <= t)
@@ -97,7 +97,7 @@ def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     n, t = tokens.shape
     dev = logits.device
     d = max_depth
-    par, dep = _with_root(parent), _with_root(depth)
+    par, dep = with_root(parent), with_root(depth)
     if sp.greedy:
         y = logits.argmax(-1)  # [n, T+1]
         dist = torch.softmax(logits.float(), -1) if conditional else None
@@ -111,12 +111,12 @@ def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     if conditional is not None and relaxed is not None and t:
         at_parent = dist.gather(1, parent[:, :, None].expand(n, t, dist.shape[-1]))
         ok |= valid & relaxed & conditional_pass(at_parent, tokens, *conditional)
-    path_ok = _with_root(ok)
+    path_ok = with_root(ok)
     path_ok[:, 0] = True
     for _ in range(d - 1):  # a node passes when it and its parent's path pass
         path_ok = path_ok & path_ok.gather(1, par)
     if dist is not None and t:
-        prob = _with_root(dist.gather(1, parent[:, :, None].expand(n, t, dist.shape[-1]))
+        prob = with_root(dist.gather(1, parent[:, :, None].expand(n, t, dist.shape[-1]))
                           .gather(2, tokens[:, :, None]).squeeze(-1))
     else:
         prob = torch.zeros((n, t + 1), device=dev)

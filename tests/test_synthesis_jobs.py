@@ -132,14 +132,15 @@ def test_a_synthesis_job_end_to_end(tmp_path, bpe_pair, ray_session):
 
 def test_samples_are_the_same_on_a_rerun_and_after_a_resume(tmp_path, bpe_pair, ray_session):
     rows = TOPICS[:4]
-    # a fixed draft length: goodput chooses it from measured times, and sampled tokens depend on it
-    spec = synthesis_spec(tmp_path, bpe_pair, rows, out="first", generation__n=3,
-                          input__sampling_columns=[], speculation__draft_length="fixed")
+    # coupled sampling: the tokens do not depend on the draft lengths goodput chooses from measured times
+    spec = synthesis_spec(tmp_path, bpe_pair, rows, out="first", generation__n=3, input__sampling_columns=[],
+                          speculation__sampling="coupled")
     run_job(spec, progress=False)
     first = {(r["id"], r["sample_index"]): r["token_ids"] for r in rows_of(tmp_path / "first")}
     assert len(first) == 12
     again = synthesis_spec(tmp_path, bpe_pair, rows, out="again", generation__n=3, input__sampling_columns=[],
-                           speculation__draft_length="fixed")
+                           speculation__sampling="coupled", speculation__draft_length="fixed",
+                           speculation__num_draft_tokens=1)  # other draft lengths: the same samples
     run_job(again, progress=False)
     assert {(r["id"], r["sample_index"]): r["token_ids"] for r in rows_of(tmp_path / "again")} == first
     os.remove(tmp_path / "first" / "part-00000.parquet")  # as if the job had died before this part

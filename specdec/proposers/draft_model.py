@@ -70,6 +70,7 @@ class DraftModelProposer(Proposer):
         logits, h = self.catch_up(n)
         forwards = 1
         rows = b.sp.view(n)
+        choice = rows if b.noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
         lens = b.lens[:n]
         self.fed_len[:n] = lens  # the catch-up fed up to the pending token
         limits_dev = b.to_device(limits) if stop is not None or limits.min() != k_max else None
@@ -86,14 +87,16 @@ class DraftModelProposer(Proposer):
             bad |= ~torch.isfinite(logits).all(-1)
             if grammar is not None:  # constrained rows draw from their masked logits (q is that distribution)
                 logits = logits.masked_fill(~grammar.draft_mask(n, logits.shape[-1]), float("-inf"))
+            if b.noise is not None:  # coupled: the noise of the position this step drafts
+                logits = sampling.coupled(logits, rows, _fit(b.noise[:, step], logits.shape[-1]))
             # q: the processed distribution each row's token is drawn from (greedy rows: their argmax)
-            q = sampling.probs(logits, rows) if not rows.greedy or (stop is not None and stop.needs_probs) else None
-            x = sampling.choose(logits, q, None if u is None else u[:, step], rows)
+            q = sampling.probs(logits, choice) if not choice.greedy or (stop is not None and stop.needs_probs) else None
+            x = sampling.choose(logits, q, None if u is None else u[:, step], choice)
             tokens.append(x)
             if grammar is not None:  # a host sync per draft step: each row's grammar follows its draft
                 drawn.append(x.tolist())
                 grammar.advance(n, drawn[-1])
-            if not rows.greedy:
+            if not choice.greedy:
                 qs.append(q)
             if self.raw_q:
                 raws.append(torch.softmax(logits.float(), dim=-1))
@@ -138,3 +141,8 @@ class DraftModelProposer(Proposer):
 
     def move_row(self, src: int, dst: int) -> None:
         self.runner.cache.move_row(src, dst, int(self.d_len[src]))
+
+
+def _fit(noise: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Noise [n, target vocab] cut or zero-padded to the draft's vocab (the same token ids)."""
+    return noise[:, :vocab] if noise.shape[-1] >= vocab else torch.nn.functional.pad(noise, (0, vocab - noise.shape[-1]))

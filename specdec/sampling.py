@@ -151,20 +151,20 @@ def coupled(logits: torch.Tensor, rows: Rows, noise: torch.Tensor) -> torch.Tens
 
 def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, device) -> torch.Tensor:
     """[n, width, vocab] Gumbel noise for output positions start[i] .. start[i] + width - 1 of each row, drawn
-    from a generator keyed by (the row's key, the position) alone. A row without a key (greedy) gets zeros."""
-    noise = torch.zeros((len(keys), width, vocab))
-    g = torch.Generator()
+    from a Philox stream keyed by a 128-bit hash of (the row's key, the position) alone (torch's CPU generator
+    keeps only 32 bits of a seed: positions would share noise). A row without a key (greedy) gets zeros."""
+    noise = np.zeros((len(keys), width, vocab), dtype=np.float32)
     for i, key in enumerate(keys):
         if key is None:
             continue
         for j in range(width):
-            digest = hashlib.blake2b(f"{key}:{int(start[i]) + j}".encode(), digest_size=8).digest()
-            g.manual_seed(int.from_bytes(digest, "little") >> 1)
-            noise[i, j] = torch.rand(vocab, generator=g)
-        noise[i] = -torch.log(-torch.log(noise[i].clamp_(min=torch.finfo(torch.float32).tiny)))
-    if torch.device(device).type == "cuda":
-        return noise.pin_memory().to(device, non_blocking=True)
-    return noise
+            digest = hashlib.blake2b(f"{key}:{int(start[i]) + j}".encode(), digest_size=16).digest()
+            u = np.random.Generator(np.random.Philox(key=int.from_bytes(digest, "little"))).random(vocab)
+            noise[i, j] = -np.log(-np.log(np.maximum(u, np.finfo(np.float64).tiny)))
+    out = torch.from_numpy(noise)
+    if torch.device(device).type == "cuda":  # drawn on the host: a device-side counter-based stream would not copy
+        return out.pin_memory().to(device, non_blocking=True)
+    return out
 
 
 def uniforms(generators: list[torch.Generator | None], count: int, device) -> torch.Tensor:

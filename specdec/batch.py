@@ -105,7 +105,8 @@ class Batch:
         t = int(self.lens[start:end].max()) - 1
         if t <= 0:
             return np.zeros((end - start, 0, top), dtype=np.int64) if top else None
-        ids = self.target.prefill(self.seq[start:end, :t], start, end, top)
+        lengths = self.to_device(self.lens[start:end] - 1) if top else None
+        ids = self.target.prefill(self.seq[start:end, :t], start, end, top, lengths)
         self.cached[start:end] = self.lens[start:end] - 1
         return None if ids is None else ids.cpu().numpy()
 

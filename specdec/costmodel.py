@@ -12,8 +12,8 @@ per bucket: the length that keeps running tracks the bucket's level (machine loa
 contexts move every cost together); a length run after another is measured against that level, which
 corrects its own cost (medians of the last few samples: speculative rounds vary more than plain ones).
 
-`expected_tokens` and `best_length` are the one rule for choosing K from rates and costs: goodput,
-the profiler and `specbatch estimate` all use them.
+`chain_tokens` (per-depth pass rates; `expected_tokens` is its constant-rate case) and `best_length` are the
+one rule for choosing K from acceptance and costs: goodput, the profiler and `specbatch estimate` use them.
 """
 
 from __future__ import annotations
@@ -35,8 +35,19 @@ bucket = pow2_at_least  # rows -> the bucket whose costs they are charged
 def expected_tokens(rates: np.ndarray, top: int) -> np.ndarray:
     """[rows, top + 1]: the tokens a round of k = 0..top drafts emits for a row whose drafted tokens pass
     at per-token rate a: the accepted prefix plus the recovered or bonus token, (1 - a^(k+1)) / (1 - a)."""
-    a = np.clip(np.asarray(rates, dtype=np.float64), 0.0, 0.999)[:, None]
-    return (1 - a ** (np.arange(top + 1)[None, :] + 1)) / (1 - a)
+    a = np.asarray(rates, dtype=np.float64)
+    return chain_tokens(np.repeat(a[:, None], top, axis=1))
+
+
+def chain_tokens(passes: np.ndarray, reach: np.ndarray | None = None) -> np.ndarray:
+    """[rows, top + 1]: the tokens a round of k = 0..top drafts emits for rows whose d-th drafted token passes
+    with probability passes[row, d - 1] once the ones before it passed: 1 + the sum over d <= k of the
+    chance the first d pass; a row drafts at most reach[row] tokens (None: k)."""
+    p = np.clip(np.asarray(passes, dtype=np.float64), 0.0, 0.999)
+    survive = np.cumprod(p, axis=1)  # [rows, top]
+    if reach is not None:
+        survive = np.where(np.arange(1, p.shape[1] + 1)[None, :] <= np.asarray(reach)[:, None], survive, 0.0)
+    return 1.0 + np.concatenate([np.zeros((p.shape[0], 1)), np.cumsum(survive, axis=1)], axis=1)
 
 
 def tree_width(k: int, fan: float) -> int:

@@ -93,9 +93,11 @@ class Rounds:
                                   verification=self.e.rule.name)
             rows.append(Row(i, result, list(r.prompt), gen, now, r.sp))
         b.write_rows(start, rows)
-        top = b.prefill_target(start, mid, b.proposer.prefill_top)
         self.waiting, self.joined = waiting, self.joined + len(order)
-        b.proposer.admit(start, mid, top, drafting=self.policy.drafts_soon(self.view(end)))
+        drafting = self.policy.drafts_soon(self.view(end))
+        wide = drafting and b.proposer.prefill_top and self.policy.widens_soon(self.view(end))
+        top = b.prefill_target(start, mid, b.proposer.prefill_top if wide else 0)
+        b.proposer.admit(start, mid, top, drafting=drafting)
         for slot in range(mid, end):
             b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)
         b.n = end
@@ -105,8 +107,9 @@ class Rounds:
                 b.constraints.matchers[slot] = None if fmt is None else self.e.grammars.matcher(fmt)
             self.jump_forward(range(start, end))
 
-    def view(self, n: int) -> BatchView:
-        return BatchView(n, self.waiting, self.joined)
+    def view(self, n: int, reach: bool = False) -> BatchView:
+        """What the policy sees of rows [0, n); `reach`: with how deep each row can draft now (before a round)."""
+        return BatchView(n, self.waiting, self.joined, self.b.proposer.reach(n) if reach else None)
 
     def limits(self, n: int) -> np.ndarray:
         """[n] host: the tokens each row may draft this round (the policy's plan, within max_draft_tokens and
@@ -114,7 +117,7 @@ class Rounds:
         if not self.m:
             return np.zeros(n, dtype=np.int64)
         room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in self.b.rows[:n]])
-        plan = self.policy.plan(self.view(n))
+        plan = self.policy.plan(self.view(n, reach=True))
         self.joined = 0
         return np.minimum(np.clip(plan, 0, self.m), room)
 

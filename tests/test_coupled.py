@@ -17,7 +17,8 @@ SETTINGS = {  # method, draft model, spec
     "k4": ("draft_model", "noisy", {"draft_length": "fixed", "num_draft_tokens": 4}),
     "goodput": ("draft_model", "noisy", {}),
     "lookup": ("prompt_lookup", None, {"draft_length": "fixed", "num_draft_tokens": 3}),
-    "lookup-trees": ("prompt_lookup", None, {"prompt_lookup": {"alignment_sampling": 2}}),
+    "lookup-trees": ("prompt_lookup", None, {"draft_length": "fixed", "num_draft_tokens": 3,
+                                             "prompt_lookup": {"alignment_sampling": 2}}),
 }
 
 

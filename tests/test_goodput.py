@@ -118,6 +118,35 @@ def test_acceptance_estimate_is_unbiased_for_long_drafts():
     assert pol.rates(8).mean() == pytest.approx(0.6, abs=0.03)
 
 
+def test_goodput_learns_that_later_drafted_tokens_pass_more_often():
+    """Prompt lookup's drafts: the first token passes at 0.35, later ones at 0.85 once it did (a copied span
+    goes on). Per-depth pass rates see that K = 8 earns most (2.70 tokens per 1.4 plain rounds); one
+    per-token rate learnt at short lengths would keep to K = 3-4."""
+    cost = {k: 1.0 + 0.05 * k for k in range(9)}
+    pol = policy(table_profile(cost))
+    pol.emitted[:8] = np.arange(8)  # rows apart: round times alone decide
+    gen, chosen = np.random.default_rng(0), []
+    for _ in range(300):
+        k = pol.plan(BatchView(8, 0))
+        passes = gen.random((8, max(k, 1))) < np.where(np.arange(max(k, 1)) == 0, 0.35, 0.85)
+        pol.observe(RoundResult(8, np.full(8, k), np.cumprod(passes, axis=1)[:, :k].sum(1), np.zeros(8, dtype=bool),
+                                cost[k]))
+        chosen.append(k)
+    assert chosen[100:].count(8) >= 0.85 * 200
+    assert pol.depth_rates()[0] == pytest.approx(0.35, abs=0.05) and pol.depth_rates()[4] == pytest.approx(0.85, abs=0.05)
+
+
+def test_goodput_drafts_no_deeper_than_rows_reach():
+    """A round is as deep as its deepest row can draft (`BatchView.reach`): where no row can draft it is a plain
+    round, and a draft that would pay at K = 4 runs at the 2 tokens the rows reach."""
+    cost = {k: 1.0 + 0.02 * k for k in range(5)}
+    pol = policy(table_profile(cost))
+    pol.emitted[:8] = np.arange(8)
+    nothing, two = np.zeros((8, 1), dtype=np.int64), np.array([[2], [1]] + [[0]] * 6)
+    assert pol.plan(BatchView(8, 0)) == 4 and pol.plan(BatchView(8, 0, reach=two)) == 2
+    assert pol.plan(BatchView(8, 0, reach=nothing)) == 0
+
+
 def test_goodput_charges_the_admissions_speculation_brings_on():
     """Rows in step finish, and join, together; speculation puts them out of step, so each joins alone,
     paying a prefill call's fixed cost. A length that wins by round times alone (K=1: 1.5 tokens for 1.2
@@ -260,8 +289,8 @@ RATE, FAN = {0: 0.6, 1: 0.65, 2: 0.7}, {0: 1.0, 1: 1.5, 2: 2.0}
 def test_goodput_chooses_tree_width_from_measured_costs(per_token, want):
     cost = lambda w: 1.0 + per_token * (w - 1)  # noqa: E731
     pol = tree_policy(cost)
-    chosen = drive_trees(pol, 8, cost, RATE, FAN, 300)
-    later = chosen[100:]
+    chosen = drive_trees(pol, 8, cost, RATE, FAN, 500)
+    later = chosen[300:]  # a width's rate is learnt from its own rounds, which run only as re-timings at first
     assert sum(1 for k, s in later if s == want and k > 0) >= 0.85 * len(later)
     if want == 0:  # chains, at the best chain length
         tokens = expected_tokens(np.array([RATE[0]]), 8)[0]

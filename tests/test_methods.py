@@ -166,9 +166,43 @@ def test_pool_merges_every_occurrence_into_one_tree():
     assert tree(2, 1) == [(3, 0, 1), (5, 1, 2), (4, 0, 1), (9, 3, 2)]  # 1 sibling per node, 2 * 2 nodes at most
 
 
+def test_prompt_lookup_reach_is_the_text_after_the_match():
+    """How deep a row can draft now (goodput's `BatchView.reach`): a chain, the tokens after the latest
+    occurrence of the matched n-gram; a tree, after the earliest; nothing where no n-gram occurred."""
+    from types import SimpleNamespace
+    from specdec.config import PromptLookupConfig
+    from specdec.proposers.prompt_lookup import PromptLookupProposer
+
+    rows = [SimpleNamespace(tokens=[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]), SimpleNamespace(tokens=[7, 8])]
+    prop = PromptLookupProposer(SimpleNamespace(rows=rows, capacity=2), PromptLookupConfig(alignment_sampling=2))
+    prop.admit(0, 2)
+    assert prop.reach(2).tolist() == [[4, 12, 12], [0, 0, 0]]  # "1 2" is followed at 2, 6 and 10
+    for k in (2, 4, 8):
+        assert len(prop._row(0, k, 0)[0]) == min(k, 4) and max(prop._row(0, k, 2)[2]) == k
+
+
 @pytest.mark.parametrize("bs", [1, 8])
 def test_aasd_under_goodput_is_target_greedy(target, repeating, greedy, bs):
     """goodput choosing K and the tree width per round, over the merged pool and alignment siblings: lossless."""
     out = generate(target, None, repeating, bs, method="prompt_lookup", draft_length="goodput",
                    prompt_lookup={"alignment_sampling": 2})
     assert [r.token_ids for r in out] == greedy
+
+
+def test_alignment_top_ids_are_each_rows_own(target, prompts):
+    """Alignment sampling's top ids from a ragged prefill (the output head over each row's own positions only):
+    the target's own top ids after each prefix of each prompt, and 0 past a row's length."""
+    from specdec.policies.simple import FixedLength
+
+    eng = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=4),
+                     SpecConfig(method="prompt_lookup", prompt_lookup={"alignment_sampling": 2}), batch_size=4)
+    batch = eng.new_batch(4, 64, FixedLength(eng.spec))
+    rows = prompts[:4]  # 5, 17, 1 and 9 tokens
+    t = max(map(len, rows))
+    tokens = torch.tensor([p + [0] * (t - len(p)) for p in rows])
+    ids = batch.target.prefill(tokens, 0, 4, 3, torch.tensor([len(p) for p in rows]))
+    for i, p in enumerate(rows):
+        with torch.inference_mode():
+            want = target(input_ids=torch.tensor([p])).logits[0, :, : eng.vocab_size].topk(3, dim=-1).indices
+        assert torch.equal(ids[i, : len(p)], want)
+        assert not ids[i, len(p):].any()

@@ -211,9 +211,9 @@ def test_n_samples_share_a_prefill_and_are_distinct_reproducible_draws(bpe, prom
     prefilled = []
     prefill = ModelRunner.prefill
 
-    def spy(self, tokens, start, end, top=0):
+    def spy(self, tokens, start, end, *args):
         prefilled.append(end - start)
-        return prefill(self, tokens, start, end, top)
+        return prefill(self, tokens, start, end, *args)
 
     monkeypatch.setattr(ModelRunner, "prefill", spy)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, n=4)

@@ -8,8 +8,8 @@ what happened (`RoundResult`). A policy owns its state: what it learns lives on 
 engine, so it outlives batches), what it keeps per row lives in the batch's `Slots`, registered by
 `attach` and reset there when rows join.
 
-Optional, where a policy needs them: `drafts_soon` (will the next round draft? if not, a drafter may
-defer work for rows joining now) and a `stopper` (stops rows' drafts on the draft's own outputs, at
+Optional, where a policy needs them: `drafts_soon` and `widens_soon` (will the next round draft, with
+siblings? if not, a drafter may defer or skip work for rows joining now) and a `stopper` (stops rows' drafts on the draft's own outputs, at
 the price of a host sync per draft step).
 """
 
@@ -41,6 +41,8 @@ class BatchView:
     n: int  # active rows [0, n)
     waiting: int  # prompts queued for a free slot
     joined: int = 0  # rows admitted since the last round
+    reach: np.ndarray | None = None  # [n, S + 1] the deepest draft row i can make now with s siblings per node
+    # (`Proposer.reach`; None: as deep as asked)
 
 
 @dataclass
@@ -90,3 +92,8 @@ class LengthPolicy:
 
     def drafts_soon(self, view: BatchView) -> bool:
         return True
+
+    def widens_soon(self, view: BatchView) -> bool:
+        """Will the next round draft token trees with siblings? (if not, rows joining now skip alignment
+        sampling's top ids: the output head over their whole prompts)"""
+        return self.siblings is None or self.siblings > 0

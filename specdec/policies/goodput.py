@@ -2,13 +2,19 @@
 emitted tokens per second under the cost model (specdec/costmodel.py).
 
 One K for all rows: a round costs what its longest row costs (draft steps and verification run the
-batch as one tensor), and a longer draft never lowers a row's expected tokens. A row's per-token
-acceptance is what verification actually tested (accepted tokens plus the first rejected one), shrunk
-towards the pair's rate by `row_weight` tested tokens. The choice is the best expectation; lengths that
-could win, counting `optimism` standard deviations of their expected tokens (K = 0 tests nothing, so
+batch as one tensor), and a longer draft never lowers a row's expected tokens. Acceptance is what
+verification actually tested (accepted tokens plus the first rejected one): per depth d, the pair's rate of
+passing the d-th token once the ones before it passed (prompt lookup's later tokens pass far more often than
+its first: a copied span goes on once it started; a draft model's are near constant), shifted per row in
+log-odds by the row's per-token rate against the pair's (shrunk towards it by `row_weight` tested tokens).
+A row drafts no deeper than its proposer can reach now (prompt lookup: the text after the matched n-gram;
+none where nothing matched), and a round no deeper than its deepest row.
+
+The choice is the best expectation; lengths that could win, counting `optimism` standard deviations of their expected tokens (K = 0 tests nothing, so
 two unlucky rounds must not shut speculation off for good), are re-timed once stale (the neighbours of
 the choice, 0 and the runner-up, if within `retime_within` of it; the most promising first), so one
-slow sample cannot lock a choice in; each re-timing that confirms the choice doubles the wait. A length is
+slow sample cannot lock a choice in; each re-timing that confirms the choice doubles the wait, unless the
+re-timed length could still win. A length is
 also charged for the admissions it brings on: rows decoding in step finish and join in one prefill
 call, speculation spreads them and each then joins alone (the call's fixed cost, and a draft prefill).
 
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costmodel import CostModel, best_length, bucket, expected_tokens, keep_last
+from ..costmodel import CostModel, best_length, bucket, chain_tokens, keep_last
 from .base import BatchView, LengthPolicy, RoundResult
 
 
@@ -53,12 +59,14 @@ class GoodputLength(LengthPolicy):
     step_margin = 0.15
     kept = 8  # finished rows' lengths and admission sizes averaged
     width_weight = 16.0  # tested tokens the pair's rate is worth in the estimate of a tree width's rate
+    depth_weight = 8.0  # tested levels the rate of the depth above is worth in a depth's pass rate
 
     def __init__(self, spec, env):
         super().__init__(spec, env)
         self.costs: CostModel = env.costs
         self.row_tokens = env.row_tokens  # a row's emitted tokens until rows finish: max_new_tokens
         self.pair = [8.0, 16.0]  # accepted, tested over all rows (a 0.5 prior)
+        self.levels = np.zeros((2, spec.max_draft_tokens))  # per depth 1..top: rounds that tested it, that passed it
         self.best: dict[int, int] = {}  # bucket -> choice
         self.wait: dict[int, int] = {}  # bucket -> rounds between re-timings
         self.lengths: list[float] = []  # tokens emitted by recently finished rows
@@ -109,22 +117,37 @@ class GoodputLength(LengthPolicy):
         acc, tested = self.by_width[s]
         return (acc + self.width_weight * pair) / (tested + self.width_weight) / pair, tested
 
+    def depth_rates(self) -> np.ndarray:
+        """[top] the pair's rate of passing the d-th drafted token once the ones before it passed, each shrunk
+        towards the depth above's by `depth_weight` tested levels (the first towards the per-token rate): a depth
+        never tested takes the one above's."""
+        out, above = np.empty(self.levels.shape[1]), self.pair[0] / self.pair[1]
+        for d, (tested, passed) in enumerate(self.levels.T):
+            above = out[d] = (passed + self.depth_weight * above) / (tested + self.depth_weight)
+        return out
+
     def scores(self, view: BatchView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per choice c = s * (top + 1) + K (K drafts, s siblings per node): the batch's expected tokens, their
         standard deviation, and the round's predicted seconds with the admissions it brings on (nan where
-        the cost model cannot say; K = 0 only at s = 0)."""
+        the cost model cannot say or no row reaches K; K = 0 only at s = 0)."""
         n, top = view.n, self.spec.max_draft_tokens
-        k = np.arange(top + 1)[None, :]  # [1, K]
+        k = np.arange(top + 1)
         plain, drafting = self.joining(view)
+        pair = self.pair[0] / self.pair[1]
+        depths = logit(self.depth_rates())[None, :] - logit(pair)  # [1, top]: each depth's log-odds over the pair's
         parts = []
         for s in self.widths:
             lift, tested = self.lift(s)
-            a = np.clip(self.rates(n) * lift, 0.0, 0.999)[:, None]  # [n, 1]
-            slope = np.cumsum(k * a ** np.maximum(k - 1, 0), axis=1)  # d tokens / d a
-            sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n, None], tested) + self.row_weight + 1))
-            tokens, sd = expected_tokens(a[:, 0], top).sum(0), np.sqrt(((slope * sd_rate) ** 2).sum(0))
+            a = np.clip(self.rates(n) * lift, 1e-3, 0.999)  # [n]
+            sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n], tested) + self.row_weight + 1))
+            reach = None if view.reach is None else view.reach[:n, min(s, view.reach.shape[1] - 1)]
+            rows = chain_tokens(expit(depths + logit(a)[:, None]), reach)  # [n, top + 1]
+            hope = chain_tokens(expit(depths + logit(np.clip(a + sd_rate, 1e-3, 0.999))[:, None]), reach)
+            tokens, sd = rows.sum(0), np.sqrt(((hope - rows) ** 2).sum(0))
             fan = self.fan[s][0] / self.fan[s][1]
-            cost = self.costs.seconds(n, top, s, fan) + tokens * np.where(k[0] > 0, drafting, plain)
+            cost = self.costs.seconds(n, top, s, fan) + tokens * np.where(k > 0, drafting, plain)
+            if reach is not None:
+                cost[k > reach.max(initial=0)] = np.nan  # no row drafts that deep now
             if s:
                 cost[0] = np.nan  # no drafts: a plain round, counted at s = 0
             parts.append((tokens, sd, cost))
@@ -147,9 +170,10 @@ class GoodputLength(LengthPolicy):
         best = best_length(tokens, cost)
         mean, hope = tokens / cost, (tokens + self.optimism * sd) / cost
         ranked = [best] + sorted((int(k) for k in known if k != best), key=lambda k: hope[k], reverse=True)
-        if probe is not None and probe.bucket == b:  # a re-timing ended: did it change the choice?
+        if probe is not None and probe.bucket == b:  # a re-timing ended: did it change the choice? could it still?
             wait = self.wait.get(b, self.refresh)
-            self.wait[b] = min(2 * wait, self.max_wait) if best == probe.before else self.refresh
+            self.wait[b] = (self.refresh if best != probe.before else wait if hope[probe.k] >= mean[best]
+                            else min(2 * wait, self.max_wait))
         self.probe = None
         in_step = self.in_step(n)
         if in_step and best and mean[best] < (1 + self.step_margin) * mean[0]:
@@ -181,6 +205,9 @@ class GoodputLength(LengthPolicy):
             self.choose(view)
         return self.best.get(b) != 0
 
+    def widens_soon(self, view: BatchView) -> bool:
+        return self.drafts_soon(view) and self.split(self.best[bucket(view.n)])[1] > 0
+
     def plan(self, view: BatchView) -> int:
         if view.joined and self.last is not None:  # rows that joined after this kind of round
             keep_last(self.groups[self.last > 0], view.joined, self.kept)
@@ -204,6 +231,9 @@ class GoodputLength(LengthPolicy):
             self.tested[:n] += tested
             self.pair[0] += float(r.accepted.sum())
             self.pair[1] += float(tested.sum())
+            d = np.arange(1, self.levels.shape[1] + 1)[None, :]
+            self.levels[0] += ((depth[:, None] >= d) & (r.accepted[:, None] >= d - 1)).sum(0)
+            self.levels[1] += (r.accepted[:, None] >= d).sum(0)
             self.by_width[s][0] += float(r.accepted.sum())
             self.by_width[s][1] += float(tested.sum())
             if s:
@@ -211,3 +241,12 @@ class GoodputLength(LengthPolicy):
                 self.fan[s][1] += float(depth.sum())
         for i in np.flatnonzero(r.finished):
             keep_last(self.lengths, float(self.emitted[i]), self.kept)
+
+
+def logit(p):
+    p = np.clip(p, 1e-3, 0.999)
+    return np.log(p) - np.log1p(-p)
+
+
+def expit(x):
+    return 1.0 / (1.0 + np.exp(-x))

@@ -67,6 +67,11 @@ class Proposer:
         node this round (None: the configured most; drafters of chains ignore it)."""
         return Draft.empty(n, self.batch.device)
 
+    def reach(self, n: int) -> np.ndarray | None:
+        """[n, S + 1] the deepest draft each of rows [0, n) can make now with s = 0..S siblings per node (S: the
+        most this proposer drafts; 0 for chains), or None where a draft is as deep as asked (a draft model)."""
+        return None
+
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`
         (host arrays, from the round's read-back)."""

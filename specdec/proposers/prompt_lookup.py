@@ -117,6 +117,17 @@ class PromptLookupProposer(Proposer):
                         add(int(t), parent, None)
         return toks, parents, depths, relaxed
 
+    def reach(self, n: int) -> np.ndarray:
+        """[n, S + 1]: the tokens after the latest occurrence of each row's suffix n-gram (a chain's depth), and
+        after its earliest (a tree's, which merges every occurrence's); 0 where none occurred."""
+        out = np.zeros((n, 1 + self.cfg.alignment_sampling), dtype=np.int64)
+        for i in range(n):
+            tokens = self.batch.rows[i].tokens
+            starts = self.pools[i].lookup(tokens)
+            if starts:
+                out[i, 0], out[i, 1:] = len(tokens) - starts[-1], len(tokens) - starts[0]
+        return out
+
     def propose(self, n: int, limits: np.ndarray, u=None, siblings: int | None = None) -> Draft:
         b = self.batch
         s = self.cfg.alignment_sampling if siblings is None else min(siblings, self.cfg.alignment_sampling)

@@ -20,8 +20,8 @@ call, speculation spreads them and each then joins alone (the call's fixed cost,
 
 Token trees (prompt lookup with alignment sampling s > 0): the choice is K and how wide, 0..s
 siblings per node. A width's rounds verify more nodes (measured: nodes per level of depth) at the
-cost of that width (the cost model), and pass more levels (measured: its acceptance against all
-rounds'); trees run where width is cheap enough to pay for what it adds, chains or plain rounds
+cost of that width (the cost model), and pass more levels (measured: its pass rate at each depth against
+all rounds' there); trees run where width is cheap enough to pay for what it adds, chains or plain rounds
 elsewhere. A tree round's acceptance counts its accepted path against its depth, not its nodes.
 """
 
@@ -58,15 +58,14 @@ class GoodputLength(LengthPolicy):
     # spreading their finish also leaves slots idle at the end of a batch and rows joining one by one
     step_margin = 0.15
     kept = 8  # finished rows' lengths and admission sizes averaged
-    width_weight = 16.0  # tested tokens the pair's rate is worth in the estimate of a tree width's rate
-    depth_weight = 8.0  # tested levels the rate of the depth above is worth in a depth's pass rate
+    width_weight = 16.0  # tested levels all rounds' rate at a depth is worth in a tree width's rate there
+    depth_weight = 16.0  # tested levels the rate of the depth above is worth in a depth's pass rate
 
     def __init__(self, spec, env):
         super().__init__(spec, env)
         self.costs: CostModel = env.costs
         self.row_tokens = env.row_tokens  # a row's emitted tokens until rows finish: max_new_tokens
         self.pair = [8.0, 16.0]  # accepted, tested over all rows (a 0.5 prior)
-        self.levels = np.zeros((2, spec.max_draft_tokens))  # per depth 1..top: rounds that tested it, that passed it
         self.best: dict[int, int] = {}  # bucket -> choice
         self.wait: dict[int, int] = {}  # bucket -> rounds between re-timings
         self.lengths: list[float] = []  # tokens emitted by recently finished rows
@@ -76,7 +75,8 @@ class GoodputLength(LengthPolicy):
         # token trees (prompt lookup with alignment sampling): 0..s siblings per node, chosen with K
         most = spec.prompt_lookup.alignment_sampling if spec.method == "prompt_lookup" else 0
         self.widths = list(range(most + 1))
-        self.by_width = {s: [0.0, 0.0] for s in self.widths}  # s -> accepted, tested in rounds of s siblings
+        # s -> per depth 1..top: rows that tested it, that passed it, in rounds of s siblings per node
+        self.levels = np.zeros((len(self.widths), 2, spec.max_draft_tokens))
         self.fan = {s: [8.0 * (1 + s / 2), 8.0] for s in self.widths}  # s -> nodes, levels drafted (prior 1 + s/2)
         self.siblings = 0 if most else None
 
@@ -108,23 +108,22 @@ class GoodputLength(LengthPolicy):
 
         return per_token(False), per_token(True)
 
-    def lift(self, s: int) -> tuple[float, float]:
-        """Rounds of s siblings per node: their per-token acceptance over all rounds' (shrunk towards 1 by
-        `width_weight` tested tokens), and the tested tokens it rests on (1 and all: chains only)."""
-        if len(self.widths) == 1:
-            return 1.0, np.inf
-        pair = self.pair[0] / self.pair[1]
-        acc, tested = self.by_width[s]
-        return (acc + self.width_weight * pair) / (tested + self.width_weight) / pair, tested
-
-    def depth_rates(self) -> np.ndarray:
-        """[top] the pair's rate of passing the d-th drafted token once the ones before it passed, each shrunk
-        towards the depth above's by `depth_weight` tested levels (the first towards the per-token rate): a depth
-        never tested takes the one above's."""
-        out, above = np.empty(self.levels.shape[1]), self.pair[0] / self.pair[1]
-        for d, (tested, passed) in enumerate(self.levels.T):
-            above = out[d] = (passed + self.depth_weight * above) / (tested + self.depth_weight)
-        return out
+    def depth_rates(self, s: int | None = None) -> np.ndarray:
+        """[top] the rate of passing the d-th drafted token once the ones before it passed: over all rounds, each
+        depth shrunk towards the depth above's by `depth_weight` tested levels (the first towards the per-token
+        rate; a depth never tested takes the one above's); for rounds of s siblings per node, shifted in log-odds
+        by how their passes compare with all rounds' rates at the depths they tested (widths run at different
+        lengths, and rates rise with depth), shrunk towards none by `width_weight` tested levels."""
+        tested, passed = self.levels.sum(0)
+        out, above = np.empty(len(tested)), self.pair[0] / self.pair[1]
+        for d in range(len(tested)):
+            above = out[d] = (passed[d] + self.depth_weight * above) / (tested[d] + self.depth_weight)
+        if s is None or len(self.widths) == 1 or not self.levels[s, 0].any():
+            return out
+        tested, passed = self.levels[s]
+        expect = float(tested @ out) / tested.sum()  # all rounds' rate at the depths this width tested
+        seen = (passed.sum() + self.width_weight * expect) / (tested.sum() + self.width_weight)
+        return expit(logit(out) + logit(seen) - logit(expect))
 
     def scores(self, view: BatchView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per choice c = s * (top + 1) + K (K drafts, s siblings per node): the batch's expected tokens, their
@@ -134,11 +133,11 @@ class GoodputLength(LengthPolicy):
         k = np.arange(top + 1)
         plain, drafting = self.joining(view)
         pair = self.pair[0] / self.pair[1]
-        depths = logit(self.depth_rates())[None, :] - logit(pair)  # [1, top]: each depth's log-odds over the pair's
+        a = np.clip(self.rates(n), 1e-3, 0.999)  # [n]
         parts = []
         for s in self.widths:
-            lift, tested = self.lift(s)
-            a = np.clip(self.rates(n) * lift, 1e-3, 0.999)  # [n]
+            depths = logit(self.depth_rates(s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's rate
+            tested = self.levels[s, 0].sum() if len(self.widths) > 1 else np.inf  # what the width's rates rest on
             sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n], tested) + self.row_weight + 1))
             reach = None if view.reach is None else view.reach[:n, min(s, view.reach.shape[1] - 1)]
             rows = chain_tokens(expit(depths + logit(a)[:, None]), reach)  # [n, top + 1]
@@ -231,11 +230,9 @@ class GoodputLength(LengthPolicy):
             self.tested[:n] += tested
             self.pair[0] += float(r.accepted.sum())
             self.pair[1] += float(tested.sum())
-            d = np.arange(1, self.levels.shape[1] + 1)[None, :]
-            self.levels[0] += ((depth[:, None] >= d) & (r.accepted[:, None] >= d - 1)).sum(0)
-            self.levels[1] += (r.accepted[:, None] >= d).sum(0)
-            self.by_width[s][0] += float(r.accepted.sum())
-            self.by_width[s][1] += float(tested.sum())
+            d = np.arange(1, self.levels.shape[2] + 1)[None, :]
+            self.levels[s, 0] += ((depth[:, None] >= d) & (r.accepted[:, None] >= d - 1)).sum(0)
+            self.levels[s, 1] += (r.accepted[:, None] >= d).sum(0)
             if s:
                 self.fan[s][0] += float(r.drafted.sum())
                 self.fan[s][1] += float(depth.sum())

@@ -6,7 +6,7 @@ trees) beside the lossless settings, on code completion (stdlib n-r, bench/code_
                             [--max-new 64] [--repeats 2] [--heal] [--dtype float32] [--plot quality.png]
                             [--json quality.json]
 
-The full defaults take about 13 runs x (repeats + 1) x tasks x batches; on the 2-core CPU a run of 32
+The full defaults take about 12 runs x (repeats + 1) x tasks x batches; on the 2-core CPU a run of 32
 prompts x 64 tokens takes 50-120 s at batch 1: trim with --repeats or --settings. Exact-match figures
 need --dtype float32 (in bf16 a multi-token verification rounds differently from a one-token step).
 
@@ -59,9 +59,9 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 
-DEFAULT_SETTINGS = ("ar,dm:k=4,dm:k=4:fuzzy=js@0.05,dm:k=4:fuzzy=js@0.1,dm:k=4:fuzzy=js@0.2,dm:k=4:fuzzy=js@0.3,"
-                    "dm:k=4:fuzzy=js@0.5,pld:k=6,aasd:k=6:s=2,aasd:k=6:s=2:cond=0.1@0.1,aasd:k=6:s=2:cond=0.2@0.1,"
-                    "aasd:k=6:s=2:cond=0.1@0.05,aasd:k=6:s=2:cond=0.3@0.2")
+DEFAULT_SETTINGS = ("ar,dm:k=auto,dm:k=auto:fuzzy=js@0.1,dm:k=auto:fuzzy=js@0.2,dm:k=auto:fuzzy=js@0.3,"
+                    "dm:k=auto:fuzzy=js@0.5,pld:k=auto,aasd:k=auto:s=2,aasd:k=auto:s=2:cond=0.3@0.2,"
+                    "aasd:k=auto:s=2:cond=0.1@0.1,aasd:k=auto:s=2:cond=0.05@0.05,aasd:k=auto:s=2:cond=0.02@0.02")
 DIVERGENCES = ("js", "kl", "tv")
 
 

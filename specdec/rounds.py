@@ -94,8 +94,9 @@ class Rounds:
             rows.append(Row(i, result, list(r.prompt), gen, now, r.sp))
         b.write_rows(start, rows)
         self.waiting, self.joined = waiting, self.joined + len(order)
-        drafting = self.policy.drafts_soon(self.view(end))
-        wide = drafting and b.proposer.prefill_top and self.policy.widens_soon(self.view(end))
+        view = self.view(end)
+        drafting = self.policy.drafts_soon(view)
+        wide = drafting and b.proposer.prefill_top and self.policy.widens_soon(view)
         top = b.prefill_target(start, mid, b.proposer.prefill_top if wide else 0)
         b.proposer.admit(start, mid, top, drafting=drafting)
         for slot in range(mid, end):

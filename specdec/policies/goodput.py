@@ -114,11 +114,19 @@ class GoodputLength(LengthPolicy):
         rate; a depth never tested takes the one above's); for rounds of s siblings per node, shifted in log-odds
         by how their passes compare with all rounds' rates at the depths they tested (widths run at different
         lengths, and rates rise with depth), shrunk towards none by `width_weight` tested levels."""
+        return self.pooled_rates() if s is None else self.width_rates(self.pooled_rates(), s)
+
+    def pooled_rates(self) -> np.ndarray:
+        """[top] `depth_rates` over all rounds."""
         tested, passed = self.levels.sum(0)
         out, above = np.empty(len(tested)), self.pair[0] / self.pair[1]
         for d in range(len(tested)):
             above = out[d] = (passed[d] + self.depth_weight * above) / (tested[d] + self.depth_weight)
-        if s is None or len(self.widths) == 1 or not self.levels[s, 0].any():
+        return out
+
+    def width_rates(self, out: np.ndarray, s: int) -> np.ndarray:
+        """[top] `depth_rates` of rounds of s siblings per node, from all rounds' (`pooled_rates`)."""
+        if len(self.widths) == 1 or not self.levels[s, 0].any():
             return out
         tested, passed = self.levels[s]
         expect = float(tested @ out) / tested.sum()  # all rounds' rate at the depths this width tested
@@ -134,9 +142,10 @@ class GoodputLength(LengthPolicy):
         plain, drafting = self.joining(view)
         pair = self.pair[0] / self.pair[1]
         a = np.clip(self.rates(n), 1e-3, 0.999)  # [n]
+        pooled = self.pooled_rates()
         parts = []
         for s in self.widths:
-            depths = logit(self.depth_rates(s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's rate
+            depths = logit(self.width_rates(pooled, s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's rate
             tested = self.levels[s, 0].sum() if len(self.widths) > 1 else np.inf  # what the width's rates rest on
             sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n], tested) + self.row_weight + 1))
             reach = None if view.reach is None else view.reach[:n, min(s, view.reach.shape[1] - 1)]

@@ -36,6 +36,7 @@ class NgramPool:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.index: dict[tuple[int, ...], list[int]] = {}
         self.upto = 0  # n-grams ending before token upto - 1 are indexed (each needs a follower)
+        self.found: tuple[int, list[int]] = (-1, [])  # the last lookup: (tokens' length, its answer)
 
     def extend(self, tokens: list[int]) -> None:
         """Index the n-grams that ended before the last token and are not indexed yet."""
@@ -46,13 +47,15 @@ class NgramPool:
 
     def lookup(self, tokens: list[int]) -> list[int]:
         """Where drafts start: the followers of every earlier occurrence of the longest suffix of `tokens` that
-        occurred before, latest last (empty if none). The pool's own list, not a copy: read it, never change it."""
+        occurred before, latest last (empty if none). The pool's own list, not a copy: read it, never change it.
+        Rows only grow, so a second lookup at the same length (a round's `reach`, then its draft) is the first's."""
+        if self.found[0] == len(tokens):
+            return self.found[1]
         self.extend(tokens)
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            starts = self.index.get(tuple(tokens[len(tokens) - n :]))
-            if starts:
-                return starts
-        return []
+        starts = next((hit for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1)
+                       if (hit := self.index.get(tuple(tokens[len(tokens) - n :])))), [])
+        self.found = (len(tokens), starts)
+        return starts
 
 
 class PromptLookupProposer(Proposer):

@@ -4,8 +4,8 @@ On every node, the job's model sources resolve; then workers of the job's shape 
 tensor-parallel group) start, up to one per node and `num_workers`, and each checks its device, dtype,
 the weights' fit against the memory plan, one step on each path compared with eager (or, tensor-parallel,
 one lock-step call and the all-reduce's bandwidth) and the output prefix's storage (specdec/preflight.py,
-workers/preflight.py). Checks that need a GPU say "n/a (no GPU)" on CPU. Nothing is written but a probe
-object, deleted after.
+workers/preflight.py). Checks that need a GPU say "n/a (no GPU)" on CPU. Nothing is written to the output
+but a probe object, deleted after; the workers' own logs go to the local cache folder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def run_check(spec: JobSpec | None, address: str | None = None, log_level: str =
 
     from workers.preflight import storage_probe
 
-    from .driver import Job, check_models, launch
+    from .driver import Job, check_models, launch, worker_logs_dir
     from .ray_session import init_ray
 
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -49,6 +49,7 @@ def run_check(spec: JobSpec | None, address: str | None = None, log_level: str =
         most = spec.resources.worker_limits()[1]  # None: `auto`
         workers = min(most or len(nodes), len(nodes))
         job = Job(spec, None, {}, None, deque(range(workers)), 0, 0.0)
+        job.worker_logs = worker_logs_dir(spec, in_output=False)  # a check leaves the output as it found it
         try:
             with launch(job, address, log_level, say=lambda *a, **k: None) as pool:
                 for m in pool.wait_for(workers):

@@ -134,7 +134,7 @@ def launch(job: Job, address: str | None, log_level: str = "warning", verbose: b
     leaving, end the workers, and the Ray this started."""
     import ray
 
-    job.worker_logs = None if verbose else worker_logs_dir(job.spec)
+    job.worker_logs = None if verbose else job.worker_logs or worker_logs_dir(job.spec)
     with contextlib.ExitStack() as stack:
         stack.enter_context(ray_log_to(job.worker_logs and os.path.join(job.worker_logs, "driver-ray.log")))
         if init_ray(address, log_level, verbose):
@@ -262,10 +262,10 @@ def is_control(index: int, fraction: float) -> bool:
     return int((index + 1) * fraction) > int(index * fraction)
 
 
-def worker_logs_dir(spec: JobSpec) -> str:
-    """Where workers write their own output: `_logs/` in a local output folder, else a local cache folder
-    (on a cluster: that folder on each worker's node)."""
-    if not is_s3(spec.output.path):
+def worker_logs_dir(spec: JobSpec, in_output: bool = True) -> str:
+    """Where workers write their own output: `_logs/` in a local output folder (with `in_output`), else a local
+    cache folder (on a cluster: that folder on each worker's node)."""
+    if in_output and not is_s3(spec.output.path):
         return os.path.join(os.path.abspath(spec.output.path), "_logs")
     from workers.fetch import cache_dir
 

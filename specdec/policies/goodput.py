@@ -10,13 +10,14 @@ log-odds by the row's per-token rate against the pair's (shrunk towards it by `r
 A row drafts no deeper than its proposer can reach now (prompt lookup: the text after the matched n-gram;
 none where nothing matched), and a round no deeper than its deepest row.
 
-The choice is the best expectation; lengths that could win, counting `optimism` standard deviations of their expected tokens (K = 0 tests nothing, so
-two unlucky rounds must not shut speculation off for good), are re-timed once stale (the neighbours of
-the choice, 0 and the runner-up, if within `retime_within` of it; the most promising first), so one
-slow sample cannot lock a choice in; each re-timing that confirms the choice doubles the wait, unless the
-re-timed length could still win. A length is
-also charged for the admissions it brings on: rows decoding in step finish and join in one prefill
-call, speculation spreads them and each then joins alone (the call's fixed cost, and a draft prefill).
+The choice is the best expectation; lengths that could win, counting `optimism` standard deviations of
+their expected tokens (K = 0 tests nothing, so two unlucky rounds must not shut speculation off for good),
+are re-timed once stale (the neighbours of the choice, 0, the runner-up and the same K at other widths, if
+within `retime_within` of it; the most promising first), so one slow sample cannot lock a choice in. Each
+length waits on its own: a re-timing that leaves it unable to win doubles its wait (not the others'), one
+that changes the choice resets them all. A length is also charged for the admissions it brings on: rows
+decoding in step finish and join in one prefill call, speculation spreads them and each then joins alone
+(the call's fixed cost, and a draft prefill).
 
 Token trees (prompt lookup with alignment sampling s > 0): the choice is K and how wide, 0..s
 siblings per node. A width's rounds verify more nodes (measured: nodes per level of depth) at the
@@ -67,7 +68,7 @@ class GoodputLength(LengthPolicy):
         self.row_tokens = env.row_tokens  # a row's emitted tokens until rows finish: max_new_tokens
         self.pair = [8.0, 16.0]  # accepted, tested over all rows (a 0.5 prior)
         self.best: dict[int, int] = {}  # bucket -> choice
-        self.wait: dict[int, int] = {}  # bucket -> rounds between re-timings
+        self.wait: dict[tuple[int, int], int] = {}  # (bucket, choice) -> rounds between its re-timings
         self.lengths: list[float] = []  # tokens emitted by recently finished rows
         self.groups: dict[bool, list[int]] = {False: [], True: []}  # rows per admission, after plain / drafting rounds
         self.last: int | None = None  # the K of the last round
@@ -145,7 +146,7 @@ class GoodputLength(LengthPolicy):
         pooled = self.pooled_rates()
         parts = []
         for s in self.widths:
-            depths = logit(self.width_rates(pooled, s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's rate
+            depths = logit(self.width_rates(pooled, s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's
             tested = self.levels[s, 0].sum() if len(self.widths) > 1 else np.inf  # what the width's rates rest on
             sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n], tested) + self.row_weight + 1))
             reach = None if view.reach is None else view.reach[:n, min(s, view.reach.shape[1] - 1)]
@@ -177,24 +178,24 @@ class GoodputLength(LengthPolicy):
             return self.take(0)
         best = best_length(tokens, cost)
         mean, hope = tokens / cost, (tokens + self.optimism * sd) / cost
-        ranked = [best] + sorted((int(k) for k in known if k != best), key=lambda k: hope[k], reverse=True)
         if probe is not None and probe.bucket == b:  # a re-timing ended: did it change the choice? could it still?
-            wait = self.wait.get(b, self.refresh)
-            self.wait[b] = (self.refresh if best != probe.before else wait if hope[probe.k] >= mean[best]
-                            else min(2 * wait, self.max_wait))
+            if best != probe.before:  # it did: every length's turn comes round again soon
+                self.wait = {key: w for key, w in self.wait.items() if key[0] != b}
+            elif hope[probe.k] < mean[best]:  # it cannot: its own turn comes half as often
+                self.wait[(b, probe.k)] = min(2 * self.wait.get((b, probe.k), self.refresh), self.max_wait)
         self.probe = None
         in_step = self.in_step(n)
         if in_step and best and mean[best] < (1 + self.step_margin) * mean[0]:
             best = 0  # a small gain does not pay for putting rows out of step (see step_margin)
         self.best[b] = best  # a choice index (0: no speculation)
+        ranked = [best] + sorted((int(k) for k in known if k != best), key=lambda k: hope[k], reverse=True)
         if best == 0 and in_step and costs.profile.prefill_fixed > 0:
             return self.take(best)  # a probe would put rows that share their admissions out of step for good
-        wait = self.wait.get(b, self.refresh)
         k_best, s_best = self.split(best)
         near = {best - 1, best + 1, 0, *ranked[1:2], *(best + (s - s_best) * (self.spec.max_draft_tokens + 1)
                                                        for s in self.widths)}  # the same K at other widths
         for c in ranked[1:]:
-            stale = costs.rounds - costs.stamp.get((b, *self.split(c)), 0) > wait
+            stale = costs.rounds - costs.stamp.get((b, *self.split(c)), 0) > self.wait.get((b, c), self.refresh)
             if c in near and stale and hope[c] >= self.retime_within * mean[best]:
                 self.probe = _Probe(b, best, c)
                 return self.take(c)

@@ -5,15 +5,17 @@ two drafts (`proposer.propose`) and one target forward with verification per wid
 which also seeds verify padding's width timings), each the minimum of `samples` runs taken back to
 back; widths are timed upwards while a length could still win at an optimistic 0.8 acceptance, given
 that drafting more never makes a round cheaper; for token trees, also the widest tree of the longest
-such length (narrower trees' costs lie on the line between). Then a 1-row and a 2-row prefill (their difference is
-a prefill call's fixed cost) and one row's draft prefill. Rows repeat a 16-token pattern (prompt
+such length (narrower trees' costs lie on the line between). Every width is then timed once more after
+all of them, so a slowdown of the machine lasting a few timings cannot bias neighbouring widths together
+(it once made K = 0 look 40% dearer than it is at batch 8, and goodput started drafting where it loses).
+Then a 1-row and a 2-row prefill (their difference is a prefill call's fixed cost) and one row's draft
+prefill. Times are read from the engine's clock. Rows repeat a 16-token pattern (prompt
 lookup finds full drafts in it; a model's cost does not depend on the tokens) and are cut back to
 `context` tokens after every round, so every round runs at the same length and leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
@@ -50,14 +52,14 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
     hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     profile = Profile(hardware=f"{hardware}, {next(engine.target.parameters()).dtype}")
 
-    def best(fn) -> float:
+    def best(fn, runs: int = samples) -> float:
         times = []
-        for _ in range(samples):
+        for _ in range(runs):
             sync(dev)
-            t0 = time.perf_counter()
+            t0 = engine.clock()
             fn()
             sync(dev)
-            times.append(time.perf_counter() - t0)
+            times.append(engine.clock() - t0)
         return min(times)
 
     def reset(n: int) -> None:
@@ -73,7 +75,7 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
         reset(n)
         return t
 
-    def verify_seconds(n: int, width: int, depth: int | None = None) -> float:
+    def verify_seconds(n: int, width: int, depth: int | None = None, runs: int = samples) -> float:
         """A chain of width - 1 drafts; with `depth`, a tree of width - 1 nodes: a chain that deep, the rest
         leaves under the root."""
         k = width - 1
@@ -89,7 +91,7 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
         def run():
             loop.verify(n, draft, width, loop.randomness(n, (k if depth is None else depth) + 1))
             reset(n)
-        return best(run)
+        return best(run, runs)
 
     for b in sorted({bucket(min(1 << i, cap)) for i in range(cap.bit_length() + 1)}):
         n = min(b, cap)
@@ -99,14 +101,18 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
         elif m:  # prompt lookup: drafting costs the host's lookup only, inside the round
             profile.draft_one[b] = profile.draft_two[b] = 0.0
         target = profile.target[b] = {}
+        shapes: dict[int, int | None] = {}  # width -> a tree's depth (None: a chain)
         for w in range(1, m + 2):
             k = w - 1
             if k and not every_width and not worth_timing(profile, b, k):
                 break
-            target[w] = verify_seconds(n, w)
+            target[w], shapes[w] = verify_seconds(n, w), None
         deep = max(target) - 1  # the longest chain that could win
         if trees and deep:  # the widest tree of that depth: trees' widths lie between (specdec/costmodel.py)
-            target[1 + deep * (1 + trees)] = verify_seconds(n, 1 + deep * (1 + trees), deep)
+            w = 1 + deep * (1 + trees)
+            target[w], shapes[w] = verify_seconds(n, w, deep), deep
+        for w, depth in shapes.items():  # once more each, after all the others
+            target[w] = min(target[w], verify_seconds(n, w, depth, runs=1))
 
     def prefill(runner, rows: int) -> float:
         return best(lambda: batch.prefill(runner, 0, rows))

@@ -183,6 +183,30 @@ def test_engine_profiles_once_and_a_saved_profile_replaces_the_measurement(targe
     assert again.profile_s == 0 and again.profile == p
 
 
+def test_a_slowdown_during_a_few_timings_biases_no_width(target, drafts, monkeypatch):
+    """The machine runs 3x slower for the profile's first four target timings (another process, say): the
+    first two widths' back-to-back samples all fall in it, but every width is timed once more after all of
+    them, so each keeps its own cost (here its width, on the engine's clock)."""
+    from specdec.rounds import Rounds
+    now, widths = [0.0], []
+    verify = Rounds.verify
+
+    def timed(self, n, draft, width, u):
+        out = verify(self, n, draft, width, u)
+        widths.append(width)
+        now[0] += width * (3.0 if len(widths) <= 4 else 1.0)
+        return out
+
+    monkeypatch.setattr(Rounds, "verify", timed)
+    eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(method="prompt_lookup", max_draft_tokens=4), batch_size=1)
+    eng.clock = lambda: now[0]
+    eng.measure_costs()
+    assert widths[:4] == [1, 1, 2, 2]  # both samples of widths 1 and 2 ran slow
+    assert len(eng.profile.target[1]) >= 3
+    assert eng.profile.target[1] == {w: float(w) for w in eng.profile.target[1]}
+
+
 @pytest.mark.parametrize("kind", ["same", "noisy"])
 def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts, prompts, reference, kind,
                                                                   monkeypatch):

@@ -22,6 +22,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from specdec.costmodel import expected_tokens  # noqa: E402
 from policy_sim import drive, drive_trees, policy, table_profile, tree_policy  # noqa: E402
 
 FAN = {0: 1.0, 1: 1.5, 2: 2.0}
@@ -29,7 +31,7 @@ TREE_RATES = ({0: 0.6, 1: 0.65, 2: 0.7}, {0: 0.5, 1: 0.6, 2: 0.68}, {0: 0.7, 1: 
 
 
 def worth(rate: float, k: int, seconds: float) -> float:
-    return sum(rate ** i for i in range(k + 1)) / seconds
+    return float(expected_tokens(np.array([rate]), k)[0, k]) / seconds
 
 
 def chain_run(c: float, rate: float, rounds: int, seed: int) -> tuple[list[float], float]:

@@ -6,8 +6,7 @@ which also seeds verify padding's width timings), each the minimum of `samples` 
 back; widths are timed upwards while a length could still win at an optimistic 0.8 acceptance, given
 that drafting more never makes a round cheaper; for token trees, also the widest tree of the longest
 such length (narrower trees' costs lie on the line between). Every width is then timed once more after
-all of them, so a slowdown of the machine lasting a few timings cannot bias neighbouring widths together
-(it once made K = 0 look 40% dearer than it is at batch 8, and goodput started drafting where it loses).
+all of them, so a slowdown of the machine lasting a few timings cannot bias neighbouring widths together.
 Then a 1-row and a 2-row prefill (their difference is a prefill call's fixed cost) and one row's draft
 prefill. Times are read from the engine's clock. Rows repeat a 16-token pattern (prompt
 lookup finds full drafts in it; a model's cost does not depend on the tokens) and are cut back to
@@ -15,7 +14,6 @@ lookup finds full drafts in it; a model's cost does not depend on the tokens) an
 """
 
 from __future__ import annotations
-
 
 import numpy as np
 import torch

@@ -20,7 +20,12 @@ def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:
 
 def policy(profile: Profile, n: int = 8, m: int | None = None) -> GoodputLength:
     m = m if m is not None else max(len(t) for t in profile.target.values()) - 1
-    pol = GoodputLength(SpecConfig(max_draft_tokens=m), PolicyEnv(costs=CostModel(profile), row_tokens=64))
+    return attached(GoodputLength(SpecConfig(max_draft_tokens=m), PolicyEnv(costs=CostModel(profile), row_tokens=64)),
+                    n)
+
+
+def attached(pol: GoodputLength, n: int) -> GoodputLength:
+    """pol with per-row state for n rows, all admitted."""
     slots = Slots(n, "cpu")
     pol.attach(slots)
     slots.admit(0, n)
@@ -48,10 +53,7 @@ def tree_policy(width_cost, m: int = 8, s: int = 2, n: int = 8) -> GoodputLength
     profile = Profile(draft_one={b: 0.0 for b in (1, 8)}, draft_two={b: 0.0 for b in (1, 8)},
                       target={b: {w: width_cost(w) for w in widths} for b in (1, 8)})
     spec = SpecConfig(method="prompt_lookup", max_draft_tokens=m, prompt_lookup={"alignment_sampling": s})
-    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64))
-    slots = Slots(n, "cpu")
-    pol.attach(slots)
-    slots.admit(0, n)
+    pol = attached(GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64)), n)
     pol.emitted[:n] = np.arange(n)  # rows apart: round times alone decide
     return pol
 

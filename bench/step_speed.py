@@ -113,16 +113,16 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
-    """(tok/s, seconds of the untimed first run: compilation and capture) of `method: none` on a path."""
+def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float, str]:
+    """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path) of
+    `method: none` on a path."""
     ModelRunner.compile_layers = {"fast": None, "fast-uncompiled": False, "fast-compiled": True}.get(path)
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic")
     first = timed(lambda: eng.generate(prompts))
     wall = timed(lambda: eng.generate(prompts))
-    assert eng.step_path == ("generic" if path == "generic" else "graphs" if model.device.type == "cuda" else "lean")
     ModelRunner.compile_layers = None
-    return batch * max_new / wall, first
+    return batch * max_new / wall, first, eng.step_path
 
 
 def hf_tok_s(model, kind: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
@@ -159,8 +159,7 @@ def main():
     log(args.out, environment())
     log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
                   f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'vs generic':>10s} {'of roofline':>11s} "
-                  f"{'first run s':>11s}")
+    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} {'first run s':>11s}  step path")
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.deadline:
             break
@@ -168,32 +167,39 @@ def main():
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         roof = bw / 2 / weight_bytes  # steps per second reading every weight once
         g = torch.Generator().manual_seed(1)
-        base = {}
-        for batch in map(int, args.batches.split(",")):
-            prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=g).tolist()
-            rows = [(p, "engine") for p in args.paths.split(",")
-                    if p != "generic" or str(batch) in args.generic_batches.split(",")]
-            if str(batch) in args.hf_batches.split(","):
-                rows += [(f"hf {k}", "hf") for k in args.hf.split(",") if k]
-            for name, kind in rows:
-                if time.perf_counter() - start > args.deadline:
-                    log(args.out, f"# deadline: stopped before {shape} {name} batch {batch}")
-                    return
-                try:
-                    if kind == "engine":
-                        tok_s, first = engine_tok_s(model, name, batch, prompts, args.max_new)
-                    else:
-                        tok_s, first = hf_tok_s(model, name.split()[1], batch, prompts, args.max_new)
-                except Exception as exc:  # a reference that fails here is reported, not fatal
-                    log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
-                    continue
-                if name == "generic":
-                    base[batch] = tok_s
-                vs = f"{tok_s / base[batch]:.2f}" if batch in base else "-"
-                rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
-                log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {vs:>10s} {rl:>11s} {first:11.1f}")
+        batches = [int(b) for b in args.batches.split(",")]
+        prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=g).tolist()
+                   for b in batches}
+        # each path over every batch size before the next path, transformers' references last: a deadline cuts
+        # the references, not our own figures
+        rows = [(p, "engine", b) for p in args.paths.split(",") if p for b in batches
+                if p != "generic" or str(b) in args.generic_batches.split(",")]
+        rows += [(f"hf {k}", "hf", b) for k in args.hf.split(",") if k for b in batches
+                 if str(b) in args.hf_batches.split(",")]
+        got: dict[tuple[str, int], float] = {}
+        for name, kind, batch in rows:
+            if time.perf_counter() - start > args.deadline:
+                log(args.out, f"# deadline: stopped before {shape} {name} batch {batch}")
+                break
+            try:
+                if kind == "engine":
+                    tok_s, first, step_path = engine_tok_s(model, name, batch, prompts[batch], args.max_new)
+                else:
+                    (tok_s, first), step_path = hf_tok_s(model, name.split()[1], batch, prompts[batch], args.max_new), ""
+            except Exception as exc:  # a reference that fails here is reported, not fatal
+                log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
+                continue
+            got[name, batch] = tok_s
+            rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
+            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f}  {step_path}")
+        for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
+            refs = [(r, got[r, batch]) for r in ("generic", "hf eager", "hf compiled") if (r, batch) in got and r != name]
+            if refs and not name.startswith("hf"):
+                log(args.out, f"# {shape} {name} batch {batch}: " +
+                    ", ".join(f"{tok_s / v:.2f}x {r}" for r, v in refs))
         del model
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     from torch._dynamo.utils import counters
     log(args.out, f"# {time.perf_counter() - start:.0f} s; compiled graphs in the process: "
                   f"{counters['stats'].get('unique_graphs', 0)}")

@@ -40,6 +40,10 @@ def compiled_layer() -> Callable:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
+        # weight shapes are specialized: every model shape in the process (a target and its draft, a bench's
+        # several) adds its own compilations; torch's default limit of 8 would send the ninth to eager for good
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
         _COMPILED["layer"] = torch.compile(layer_forward, dynamic=True, fullgraph=True)
     return _COMPILED["layer"]
 

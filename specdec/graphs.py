@@ -8,13 +8,14 @@ runs again). All graphs share one memory pool: they never run at the same time. 
 object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
 buffer and padding logic where no GPU is.
 
-`compiled_layer()` is the lean decoder layer (specdec/llama.py) through `torch.compile`, which fuses
-its elementwise work (norms, RoPE, activations) into a few kernels; every layer of every Llama-family
-model in the process shares it. Its shapes are symbolic: it compiles four times per process (one row
-or more, one token or more: PyTorch specializes sizes 0 and 1), not per batch size, width or cache
-length. Two things keep it at four: sizes are not "duck-shaped" (a width that happened to equal the
-number of KV heads would otherwise be guarded as equal), and an attention window never spans the
-whole cache buffer (the engine allocates one slot more than any bucket). On CPU the compiled layer
+`compiled_layer()` is the lean decoder layer (specdec/llama.py) with its two halves around the attention
+through `torch.compile`, which fuses their elementwise work (norms, RoPE, activations) into a few kernels;
+every layer of every Llama-family model in the process shares them. The cache writes and the attention
+run eagerly between them (inside a graph that costs no launches): on CUDA, inductor's attention lowering
+over a cache slice of symbolic length failed its own stride checks on every shape (H100, torch 2.11,
+2026-11-26). Shapes are symbolic: each half compiles four times per model shape (one row or more, one
+token or more: PyTorch specializes sizes 0 and 1), not per batch size or width; sizes are not
+"duck-shaped" (a width that happened to equal the number of KV heads would otherwise be guarded as equal). On CPU the compiled layer
 is slower than eager (SmolLM2-135M, bf16, 2 cores: 38 vs 33 ms at batch 1, 114 vs 44 ms at batch 8)
 and takes minutes to compile, so only GPUs use it.
 """
@@ -22,6 +23,7 @@ and takes minutes to compile, so only GPUs use it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -34,7 +36,7 @@ fault: Callable[[tuple], str | None] | None = None
 
 
 def compiled_layer() -> Callable:
-    from .llama import layer_forward
+    from . import llama
 
     if "layer" not in _COMPILED:
         import torch.fx.experimental._config as fx_config
@@ -44,7 +46,8 @@ def compiled_layer() -> Callable:
         # several) adds its own compilations; torch's default limit of 8 would send the ninth to eager for good
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
-        _COMPILED["layer"] = torch.compile(layer_forward, dynamic=True, fullgraph=True)
+        pre, post = (torch.compile(f, dynamic=True, fullgraph=True) for f in (llama._attention_in, llama._layer_out))
+        _COMPILED["layer"] = partial(llama.layer_forward, pre=pre, post=post)
     return _COMPILED["layer"]
 
 
@@ -87,8 +90,14 @@ class StepGraphs:
                 fn(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(*static)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = fn(*static)
+        except Exception:
+            # a capture that failed midway can leave its pool marked as recording, and every later capture
+            # into it fails ("already recording to mempool"): later shapes get a pool of their own
+            self.pool = torch.cuda.graph_pool_handle()
+            raise
         return graph, static, out
 
     def clear(self) -> None:

@@ -164,15 +164,18 @@ def _attention_in(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.T
     return q, k.transpose(1, 2), v.view(n, t, nk, hd)
 
 
-def _attention_out(x: torch.Tensor, layer: Layer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor, eps: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Attention of q [n, heads, t, hd] over keys/values [n, kv_heads, s, hd] under mask [n, 1, group * t, s]
-    (each kv head's group of query heads stacked along t: no repeated cache), o_proj, and the MLP."""
+    (each kv head's group of query heads stacked along t: no repeated cache) -> [n, t, heads * hd]."""
     n, nh, t, hd = q.shape
     nk = keys.shape[1]
     qg = q.reshape(n, nk, (nh // nk) * t, hd)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=hd ** -0.5)
-    o = o.reshape(n, nh, t, hd).transpose(1, 2).reshape(n, t, nh * hd)
+    return o.reshape(n, nh, t, hd).transpose(1, 2).reshape(n, t, nh * hd)
+
+
+def _layer_out(x: torch.Tensor, layer: Layer, o: torch.Tensor, eps: float) -> torch.Tensor:
+    """o_proj of the attention's output o [n, t, heads * hd], the residual, and the MLP."""
     o = F.linear(o, layer.o)
     x = x + (o if layer.reduce is None else layer.reduce(o))
     h = rms_norm(x, layer.ln2, eps)
@@ -183,17 +186,20 @@ def _attention_out(x: torch.Tensor, layer: Layer, q: torch.Tensor, keys: torch.T
 
 def layer_forward(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                  heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+                  heads: int, kv_heads: int, head_dim: int, eps: float,
+                  pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
     """One decoder layer over cache rows [0, n): x [n, t, d] -> [n, t, d]. Writes the rows' keys and values
     at their positions in kc, vc ([rows, kv_heads, max_len, head_dim]) and attends over the first
-    kv_len = mask.shape[-1] slots of each row."""
-    n, t, _ = x.shape
-    q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
+    kv_len = mask.shape[-1] slots of each row. `pre` (norm, q/k/v, RoPE) and `post` (o_proj, MLP) may be
+    compiled versions (specdec/graphs.py): the cache writes and the attention stay outside them, so no
+    compiled code sees the cache's or the mask's lengths."""
+    n = x.shape[0]
+    q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
     rows = torch.arange(n, device=x.device)[:, None]
     kc[rows, :, positions] = k.to(kc.dtype)  # [n, t, kv_heads, hd] at (row, slot)
     vc[rows, :, positions] = v.to(vc.dtype)
     kv_len = mask.shape[-1]
-    return _attention_out(x, layer, q, kc[:n, :, :kv_len], vc[:n, :, :kv_len], mask, eps)
+    return post(x, layer, _attend(q, kc[:n, :, :kv_len], vc[:n, :, :kv_len], mask), eps)
 
 
 def layer_prefill(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, row_ids: torch.Tensor,
@@ -204,7 +210,7 @@ def layer_prefill(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Ten
     q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
     kc[row_ids[:, None], :, positions] = k.to(kc.dtype)
     vc[row_ids[:, None], :, positions] = v.to(vc.dtype)
-    return _attention_out(x, layer, q, k.transpose(1, 2), v.transpose(1, 2), mask, eps)
+    return _layer_out(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
 
 
 def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):

@@ -178,10 +178,14 @@ class ModelRunner:
 
 
 def mismatch(fast: torch.Tensor, ref: torch.Tensor) -> str | None:
-    """Why a fast step's logits cannot stand for eager's: non-finite, or a largest difference beyond tolerance
-    (relative to eager's largest logit: 1e-3 in float32, 5e-2 in 16-bit floats); None when they can."""
-    if not bool(torch.isfinite(fast).all()):
+    """Why a fast step's logits cannot stand for eager's, or None when they can: non-finite, or a relative
+    error ||fast - ref|| / ||ref|| at some position beyond tolerance (1e-3 in float32; 0.2 in 16-bit
+    floats, where fused kernels round differently and a random-weight 8B model's 32 layers reached 0.07 on
+    an H100: a broken step is off by ~1). One read of the device."""
+    f, r = fast.float().flatten(0, -2), ref.float().flatten(0, -2)
+    err = (f - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)
+    worst = float(torch.where(torch.isfinite(f).all(-1), err, torch.inf).max())
+    if worst == float("inf"):
         return "non-finite logits"
-    tol = 1e-3 if ref.dtype == torch.float32 else 5e-2
-    err = float((fast.float() - ref.float()).abs().max() / (ref.float().abs().max() + 1))
-    return f"logits differ from eager's by {err:.3g} (relative; tolerance {tol})" if err > tol else None
+    tol = 1e-3 if ref.dtype == torch.float32 else 0.2
+    return f"logits differ from eager's by {worst:.3g} (relative; tolerance {tol})" if worst > tol else None

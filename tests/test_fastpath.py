@@ -109,25 +109,40 @@ def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, monk
     non-finite logits sends that shape to eager (same greedy tokens, '+eager-fallback'); a sound one stays."""
     from specdec import graphs, runner
     seen = []
-    monkeypatch.setattr(graphs, "fault", lambda key: seen.append(key) or (None if fault == "off" else fault))
     spec = SpecConfig(method="draft_model", num_draft_tokens=3, draft_length="fixed")
     sp = SamplingParams(max_new_tokens=MAX_NEW)
     ref = [r.token_ids for r in SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3,
                                            step_graphs=False).generate(prompts)]
+    monkeypatch.setattr(graphs, "fault", lambda key: seen.append(key) or (None if fault == "off" else fault))
     eng = SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3)  # graphs: the hook's doing
     assert [r.token_ids for r in eng.generate(prompts)] == ref
-    assert len(seen) == len(set(seen)) > 1  # each shape checked once
+    runners = eng._runners.values()
+    assert len(seen) == sum(len(r.checked) + len(r.eager) for r in runners) > 1  # each runner checks a shape once
     target_runner = eng._runners["target"]
+    base = "graphs" if DEVICE == "cuda" else "lean"
     if fault == "off":
-        assert eng.step_path == "lean" and not target_runner.eager and len(target_runner.checked) > 0
+        assert eng.step_path == base and not target_runner.eager and len(target_runner.checked) > 0
     else:
-        assert eng.step_path == "lean+eager-fallback" and not target_runner.checked
+        assert eng.step_path == base + "+eager-fallback" and not target_runner.checked
         assert all(("injected" if fault == "raise" else "non-finite") in why for why in target_runner.eager.values())
         eng.generate(prompts)
-        assert len(seen) == len(set(seen))  # a shape that fell back is not tried again
-    assert runner.mismatch(torch.ones(2, 3), torch.ones(2, 3)) is None
-    assert "differ" in runner.mismatch(torch.ones(2, 3) * 1.01, torch.ones(2, 3))
-    assert runner.mismatch(torch.ones(2, 3, dtype=torch.bfloat16) * 1.01, torch.ones(2, 3, dtype=torch.bfloat16)) is None
+        assert len(seen) == sum(len(r.checked) + len(r.eager) for r in runners)  # no shape is tried again
+
+
+def test_mismatch_tells_a_broken_step_from_rounding():
+    """The first-step check passes what rounding explains (per position, relative to eager's logits) and
+    refuses a step off by much more, or non-finite."""
+    from specdec.runner import mismatch
+    ref = torch.randn(4, 3, 500, generator=torch.Generator().manual_seed(0))
+    assert mismatch(ref + 1e-5 * torch.randn(ref.shape), ref) is None
+    assert "differ" in mismatch(ref + 0.01 * torch.randn(ref.shape), ref)  # float32: 1e-3
+    off = ref.clone()
+    off[2, 1] = torch.randn(500)  # one position's logits wrong: a wrong slot, a stale buffer
+    assert "differ" in mismatch(off.bfloat16(), ref.bfloat16())
+    assert mismatch((ref + 0.05 * torch.randn(ref.shape)).bfloat16(), ref.bfloat16()) is None  # 16-bit rounding
+    bad = ref.clone()
+    bad[0, 0, 7] = float("nan")
+    assert mismatch(bad, ref) == "non-finite logits"
 
 
 def test_other_architectures_take_the_generic_path(prompts):
@@ -174,11 +189,17 @@ def test_a_round_reads_the_device_once(target, prompts, method, draft_length, te
                      SpecConfig(method=method, num_draft_tokens=3, draft_length=draft_length, max_draft_tokens=4),
                      batch_size=3, step_graphs=True)
     eng.generate(prompts[:2])  # warm: caches allocated, goodput's first choices made
+
+    def checks():  # shapes whose first fast step was compared with eager's (one read each; on a GPU only)
+        return sum(len(r.checked) + len(r.eager) for r in eng._runners.values())
+
+    before = checks()
     with HostReads() as reads:
         out = eng.generate(prompts)
     rounds = max(r.rounds for r in out)  # rows share rounds: the batch ran at least this many
     total_rounds = eng_rounds(out, 3)
-    assert rounds <= reads.count == total_rounds
+    assert rounds <= reads.count - (checks() - before) == total_rounds
+    assert checks() == before or DEVICE == "cuda"
 
 
 def eng_rounds(out, batch_size):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import sampling, trees
+from .verify import scan
 from .batch import Batch, Row
 from .config import SampleResult, SamplingParams, row_seed
 from .policies import BatchView, LengthPolicy, RoundResult
@@ -194,18 +195,20 @@ class Rounds:
             positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
             logits, _ = b.target.step(tokens_in, positions, kv_len, slots=slots, mask=mask)
         logits = logits[:, lag - 1 : lag + k, : b.vocab_size]  # [n, k+1, vocab]
-        bad = (~torch.isfinite(logits).flatten(1).all(1)).to(torch.int64)  # 1: the target's logits are not finite
+        best, finite = scan(logits)  # greedy's choices and the non-finite check in one pass
+        bad = (~finite.all(1)).to(torch.int64)  # 1: the target's logits are not finite
         if draft.bad is not None:
             bad |= draft.bad.to(torch.int64) << 1  # 2: the draft's
         if b.constraints is not None:  # on the host while the forward runs: each row's format masks p
             self.constrain(n, draft)
         if draft.allowed is not None:
             logits = logits.masked_fill(~draft.allowed, float("-inf"))
+            best = None  # the masks change the argmax
         rows = b.sp.view(n)
         if self.coupled:  # verification is argmax matching on the perturbed logits
             v = self.e.rule(self.coupled_logits(logits, draft, rows), draft, sampling.as_greedy(rows), None)
         else:
-            v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :])
+            v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :], best)
 
         new = draft.tokens
         if v.path is not None:  # keep the accepted path: its tokens, and its keys and values moved into place

@@ -90,22 +90,25 @@ def conditional_pass(dist: torch.Tensor, tokens: torch.Tensor, alpha: float, bet
 
 def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
                 lengths: torch.Tensor, max_depth: int, sp: SamplingParams | Rows, u: torch.Tensor | None,
-                relaxed: torch.Tensor | None = None, conditional: tuple[float, float] | None = None) -> TreeVerdict:
+                relaxed: torch.Tensor | None = None, conditional: tuple[float, float] | None = None,
+                best: torch.Tensor | None = None) -> TreeVerdict:
     """logits [n, T+1, vocab] at the root and nodes 1..T; tokens, parent, depth [n, T]; lengths [n] valid
     nodes per row; u [n, max_depth + 1] uniforms by depth (None when greedy); relaxed [n, T] nodes the
-    conditional rule (alpha, beta) may pass."""
+    conditional rule (alpha, beta) may pass; best [n, T+1]: the logits' argmax, when the caller has it."""
     n, t = tokens.shape
     dev = logits.device
     d = max_depth
     par, dep = with_root(parent), with_root(depth)
+    if sp.greedy or (isinstance(sp, Rows) and sp.any_greedy):
+        best = logits.argmax(-1) if best is None else best  # [n, T+1]
     if sp.greedy:
-        y = logits.argmax(-1)  # [n, T+1]
+        y = best
         dist = torch.softmax(logits.float(), -1) if conditional else None
     else:  # a draw from p at every node (greedy rows of a mixed batch: their argmax)
         dist = sampling.probs(logits, sp)
         y = sampling.sample(dist.flatten(0, 1), u.gather(1, dep).flatten()).view(n, t + 1)
         if isinstance(sp, Rows) and sp.any_greedy:
-            y = torch.where(sp.greedy_rows[:, None], logits.argmax(-1), y)
+            y = torch.where(sp.greedy_rows[:, None], best, y)
     valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
     ok = valid & (tokens == y.gather(1, parent))
     if conditional is not None and relaxed is not None and t:

@@ -46,11 +46,18 @@ def _leading(passed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return (passed & valid).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
+def scan(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the vocabulary: each position's argmax [...] and whether its largest logit is finite
+    (NaN and +inf anywhere, or -inf everywhere, make it not; a -inf among finite logits is a masked token)."""
+    peak, best = logits.max(dim=-1)
+    return best, torch.isfinite(peak)
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor,
-                  also: torch.Tensor | None = None) -> Verdict:
+                  also: torch.Tensor | None = None, best: torch.Tensor | None = None) -> Verdict:
     """target_logits: [n, K+1, vocab]; draft_tokens: [n, K]; lengths: [n]; also [n, K]: tokens that pass
-    whatever the rule says (fuzzy verification)."""
-    best = target_logits.argmax(dim=-1)  # [n, K+1]
+    whatever the rule says (fuzzy verification); best [n, K+1]: the logits' argmax, when the caller has it."""
+    best = target_logits.argmax(dim=-1) if best is None else best  # [n, K+1]
     k = draft_tokens.shape[1]
     passed = draft_tokens == best[:, :k]
     accepted = _leading(passed if also is None else passed | also, lengths)
@@ -124,9 +131,11 @@ def fuzzy_pass(target_logits: torch.Tensor, raw_q: torch.Tensor, kind: str, thre
 class Rule:
     name = "lossless"  # what a row's `verification` column says
 
-    def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, u: torch.Tensor | None) -> Verdict:
+    def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, u: torch.Tensor | None,
+                 best: torch.Tensor | None = None) -> Verdict:
         """logits [n, T+1, vocab]: the target at the pending token and at each drafted token; u [n, M+1] (None
-        when every row is greedy): column i < M tests position i, column M draws the recovered / bonus token."""
+        when every row is greedy): column i < M tests position i, column M draws the recovered / bonus token;
+        best [n, T+1]: the logits' argmax (`scan`), when the caller has it."""
         raise NotImplementedError
 
 
@@ -137,10 +146,10 @@ class ChainRule(Rule):
         """[n, K]: tokens accepted whatever the lossless test says (None: none)."""
         return None
 
-    def __call__(self, logits, draft, rows, u):
+    def __call__(self, logits, draft, rows, u, best=None):
         k = draft.tokens.shape[1]
         also = self.passes(logits, draft) if k else None
-        greedy = verify_greedy(logits, draft.tokens, draft.lengths, also) if rows.any_greedy else None
+        greedy = verify_greedy(logits, draft.tokens, draft.lengths, also, best) if rows.any_greedy else None
         if rows.greedy:
             return greedy
         p = sampling.probs(logits, rows)  # [n, K+1, vocab]
@@ -170,13 +179,13 @@ class TreeRule(Rule):
 
     conditional: tuple[float, float] | None = None
 
-    def __call__(self, logits, draft, rows, u):
+    def __call__(self, logits, draft, rows, u, best=None):
         n, t = draft.tokens.shape
         tree = draft.tree
         parent, depth = (tree.parent, tree.depth) if tree is not None else trees.chain(n, t, logits.device)
         d = draft.depth
         v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, rows,
-                              None if u is None else u[:, : d + 1], draft.relaxed, self.conditional)
+                              None if u is None else u[:, : d + 1], draft.relaxed, self.conditional, best)
         return Verdict(v.accepted, v.next_token, v.path if tree is not None else None)
 
 

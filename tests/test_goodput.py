@@ -272,3 +272,35 @@ def test_tree_rounds_count_levels_not_nodes():
         pol.observe(RoundResult(8, np.full(8, 8), accepted, np.zeros(8, dtype=bool), None, np.full(8, 4)))
     assert pol.rates(8).mean() == pytest.approx(0.7, abs=0.03)
     assert pol.fan[2][0] / pol.fan[2][1] == pytest.approx(2.0, abs=0.02)
+
+
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("profiled,truth,rate", [
+    # a start-up timing taken while the machine was busy: K >= 1 looks 3x dearer than it is
+    ({0: 1.0, 1: 3.0, 2: 3.3, 3: 3.6, 4: 3.9}, {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6, 4: 1.8}, 0.7),
+    # true timings, but at the 0.5 prior every drafting length loses; the pair's 0.9 makes K = 4 pay 1.46x
+    ({0: 1.0, 1: 1.9, 2: 2.2, 3: 2.5, 4: 2.8}, None, 0.9),
+])
+def test_goodput_finds_drafting_that_pays_from_a_profile_that_says_k0(n, profiled, truth, rate):
+    """Acceptance measured, not assumed: from a profile whose choice is K = 0, the neighbour never run live is
+    re-timed once stale, and the pair's untested rate counts as uncertain, so drafting that pays is found
+    (one row, or rows apart) and kept."""
+    truth = truth or profiled
+    pol = policy(table_profile(profiled), n=n)
+    pol.emitted[:n] = np.arange(n)  # rows apart (a single row is never in step)
+    assert pol.plan(BatchView(n, 0)) == 0
+    chosen = np.array(drive(pol, n, truth, rate, 1000))
+    tokens = expected_tokens(np.array([rate]), 4)[0]
+    gain = {k: tokens[k] / truth[k] for k in truth}
+    assert np.flatnonzero(chosen)[0] <= GoodputLength.refresh + 2
+    assert np.mean([gain[k] for k in chosen[500:]]) >= 0.95 * max(gain.values())
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_exploring_costs_little_where_drafting_never_pays(n):
+    """The same exploration where the pair's rate is 0.3 and drafting is dear: a few probes, then K = 0."""
+    cost = {0: 1.0, 1: 1.9, 2: 2.2, 3: 2.5, 4: 2.8}
+    pol = policy(table_profile(cost), n=n)
+    pol.emitted[:n] = np.arange(n)
+    chosen = np.array(drive(pol, n, cost, 0.3, 1000))
+    assert 0 < np.mean(chosen > 0) <= 0.03 and not chosen[500:].any()

@@ -146,3 +146,24 @@ def test_row_processing_equals_the_shared_one():
         for i in range(5):
             rows.set(i, sp)
         assert torch.allclose(sampling.probs(logits, rows.view(5)), sampling.probs(logits, sp), atol=1e-6)
+
+
+def test_one_scan_gives_the_argmax_and_the_non_finite_check():
+    """`scan` replaces argmax + isfinite(all logits): the same argmax (first of ties), and a position is
+    flagged where a NaN or +inf sits anywhere or every logit is -inf; a -inf among finite ones (a masked
+    token) is not."""
+    from specdec.verify import scan
+    logits = torch.randn(3, 4, 1000, generator=torch.Generator().manual_seed(0))
+    logits[0, 0, 10] = logits[0, 0, 20] = logits[0, 0].max() + 1  # a tie: the first wins, as argmax's
+    logits[0, 1, 5] = float("nan")
+    logits[1, 2, 999] = float("inf")
+    logits[2, 3] = float("-inf")
+    logits[2, 0, :500] = float("-inf")
+    best, finite = scan(logits)
+    expect = torch.ones(3, 4, dtype=torch.bool)
+    expect[0, 1] = expect[1, 2] = expect[2, 3] = False
+    assert torch.equal(finite, expect)
+    assert torch.equal(best[expect], logits.argmax(-1)[expect]) and best[0, 0] == 10
+    old = torch.isfinite(logits).all(-1)  # the check it replaces differs only at the partly masked position
+    assert torch.equal(old ^ finite, torch.zeros_like(old).index_put_((torch.tensor(2), torch.tensor(0)),
+                                                                      torch.tensor(True)))

@@ -11,8 +11,9 @@ A row drafts no deeper than its proposer can reach now (prompt lookup: the text 
 none where nothing matched), and a round no deeper than its deepest row.
 
 The choice is the best expectation; lengths that could win, counting `optimism` standard deviations of
-their expected tokens (K = 0 tests nothing, so two unlucky rounds must not shut speculation off for good),
-are re-timed once stale (the neighbours of the choice, 0, the runner-up and the same K at other widths, if
+their expected tokens (K = 0 tests nothing, so two unlucky rounds must not shut speculation off for good;
+until the pair has been tested much, its rate is that uncertain for every row), and lengths next to the
+choice never run live (their cost rests on one start-up timing), are re-timed once stale (the neighbours of the choice, 0, the runner-up and the same K at other widths, if
 within `retime_within` of it; the most promising first), so one slow sample cannot lock a choice in. Each
 length waits on its own: a re-timing that leaves it unable to win doubles its wait (not the others'), one
 that changes the choice resets them all. A length is also charged for the admissions it brings on: rows
@@ -148,7 +149,7 @@ class GoodputLength(LengthPolicy):
         for s in self.widths:
             depths = logit(self.width_rates(pooled, s))[None, :] - logit(pair)  # [1, top]: log-odds over the pair's
             tested = self.levels[s, 0].sum() if len(self.widths) > 1 else np.inf  # what the width's rates rest on
-            sd_rate = np.sqrt(a * (1 - a) / (np.minimum(self.tested[:n], tested) + self.row_weight + 1))
+            sd_rate = self.rate_sd(a, np.minimum(self.tested[:n], tested), pair)
             reach = None if view.reach is None else view.reach[:n, min(s, view.reach.shape[1] - 1)]
             rows = chain_tokens(expit(depths + logit(a)[:, None]), reach)  # [n, top + 1]
             hope = chain_tokens(expit(depths + logit(np.clip(a + sd_rate, 1e-3, 0.999))[:, None]), reach)
@@ -161,6 +162,15 @@ class GoodputLength(LengthPolicy):
                 cost[0] = np.nan  # no drafts: a plain round, counted at s = 0
             parts.append((tokens, sd, cost))
         return tuple(np.concatenate(x) for x in zip(*parts))
+
+    def rate_sd(self, a: np.ndarray, tested: np.ndarray, pair: float) -> np.ndarray:
+        """[n] the standard deviation of rows' rate estimates: a row's own tested tokens, and the pair's rate it
+        is shrunk towards (`row_weight`), itself resting on all rows' tested tokens and a weak prior. Until the
+        pair has been tested much, every row's estimate is that uncertain: lengths that could win on it are
+        re-timed, which tests them (one row, or rows apart, never stop drafting on the prior alone)."""
+        w = self.row_weight / (tested + self.row_weight)
+        own = tested * a * (1 - a) / (tested + self.row_weight) ** 2
+        return np.sqrt(w ** 2 * pair * (1 - pair) / self.pair[1] + own)
 
     def split(self, c: int) -> tuple[int, int]:
         """Choice index -> (K, s)."""
@@ -195,8 +205,10 @@ class GoodputLength(LengthPolicy):
         near = {best - 1, best + 1, 0, *ranked[1:2], *(best + (s - s_best) * (self.spec.max_draft_tokens + 1)
                                                        for s in self.widths)}  # the same K at other widths
         for c in ranked[1:]:
-            stale = costs.rounds - costs.stamp.get((b, *self.split(c)), 0) > self.wait.get((b, c), self.refresh)
-            if c in near and stale and hope[c] >= self.retime_within * mean[best]:
+            stamp = costs.stamp.get((b, *self.split(c)))
+            stale = costs.rounds - (stamp or 0) > self.wait.get((b, c), self.refresh)
+            # a neighbour never run live rests on one start-up timing alone (a loaded machine's, maybe): once
+            if c in near and stale and (stamp is None or hope[c] >= self.retime_within * mean[best]):
                 self.probe = _Probe(b, best, c)
                 return self.take(c)
         return self.take(best)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import sampling
+from ..verify import scan
 from .base import Draft, Proposer
 
 if TYPE_CHECKING:
@@ -84,14 +85,19 @@ class DraftModelProposer(Proposer):
         bad = torch.zeros(n, dtype=torch.bool, device=b.device)  # non-finite draft logits (the row fails)
         free = None  # rows a stopper reading fed states stopped: the forward that fed their token drew one more
         for step in range(k_max):
-            bad |= ~torch.isfinite(logits).all(-1)
+            plain = grammar is None and b.noise is None and choice.greedy  # the token is the raw logits' argmax
+            if plain:
+                best, finite = scan(logits)  # the argmax and the non-finite check in one pass
+            else:
+                best, finite = None, torch.isfinite(logits.amax(-1))
+            bad |= ~finite
             if grammar is not None:  # constrained rows draw from their masked logits (q is that distribution)
                 logits = logits.masked_fill(~grammar.draft_mask(n, logits.shape[-1]), float("-inf"))
             if b.noise is not None:  # coupled: the noise of the position this step drafts
                 logits = sampling.coupled(logits, rows, _fit(b.noise[:, step], logits.shape[-1]))
             # q: the processed distribution each row's token is drawn from (greedy rows: their argmax)
             q = sampling.probs(logits, choice) if not choice.greedy or (stop is not None and stop.needs_probs) else None
-            x = sampling.choose(logits, q, None if u is None else u[:, step], choice)
+            x = best if plain else sampling.choose(logits, q, None if u is None else u[:, step], choice)
             tokens.append(x)
             if grammar is not None:  # a host sync per draft step: each row's grammar follows its draft
                 drawn.append(x.tolist())

@@ -81,6 +81,9 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, file
             _clear(storage)
         elif old.get("fingerprint") != spec.fingerprint():
             changed = changed_keys(old.get("spec", {}), spec.model_dump(mode="json"))
+            before = old.get("versions", {})
+            changed += [f"{k} version {before.get(k, 'unrecorded')} -> {v}" for k, v in spec.versions().items()
+                        if before.get(k) != v]
             raise JobError(
                 f"{storage.uri('')} holds the outputs of a different job config (changed: {', '.join(changed) or '?'}); "
                 "re-run with --overwrite to discard them, or choose another output.path")
@@ -106,6 +109,7 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, file
         "name": spec.name,
         "fingerprint": spec.fingerprint(),
         "spec": spec.model_dump(mode="json"),
+        "versions": spec.versions(),  # of the code the rows depend on (coupled sampling's noise)
         "input": {"rows": total, "files": files},  # [{path, size, etag | mtime_ns}]: a rerun checks them
         "num_shards": len(shards),
         "wall_s": wall_s,

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
+from specdec.sampling import NOISE_VERSION
 from workers.inputs import InputSpec
 from workers.outputs import OutputSpec
 from workers.spec import NEUTRAL, ResourcesSpec, WorkerSpec
@@ -104,9 +105,17 @@ class JobSpec(Config):
         return WorkerSpec(**{k: getattr(self, k) for k in WorkerSpec.model_fields if k != "resources"},
                           resources=resources)
 
+    def versions(self) -> dict[str, int]:
+        """The versions of the code this job's output rows depend on beyond its config: coupled sampling's noise
+        (`specdec.sampling.NOISE_VERSION`), whose values a new version changes. In the fingerprint and the manifest,
+        so that a resume never mixes rows drawn with two versions."""
+        return {"coupled_noise": NOISE_VERSION} if self.speculation.sampling == "coupled" else {}
+
     def fingerprint(self) -> str:
-        """Hash of everything that changes output rows (not the OUTPUT_NEUTRAL keys)."""
+        """Hash of everything that changes output rows (not the OUTPUT_NEUTRAL keys), `versions` included."""
         data = self.model_dump(mode="json")
+        if self.versions():  # a job without one keeps the fingerprint it had before versions were recorded
+            data["versions"] = self.versions()
         for key in OUTPUT_NEUTRAL:
             *path, last = key.split(".")
             node = data

@@ -180,7 +180,9 @@ class SpecConfig(Config):
         "rejection", description="how sampled rows (temperature > 0) verify, both lossless: `rejection` (speculative "
         "sampling: the most accepted tokens) or `coupled` (Gumbel-max noise keyed by the row's seed and each output "
         "position: the tokens of plain decoding with that seed whatever the draft lengths, so reruns and resumes give "
-        "the same samples under `goodput`; fewer tokens accepted)")
+        "the same samples under `goodput`; fewer tokens accepted; since noise version 2 the noise is drawn on the "
+        "model's device: coupled samples differ from earlier releases', and a coupled output begun before is "
+        "refused on resume)")
     confidence_threshold: float = Field(0.4, gt=0.0, lt=1.0, description="`confidence`: stop a row's draft after a "
                                         "token the draft gave less than this probability")
     acceptance_head: AcceptanceHeadConfig | None = Field(None, description="`{path, threshold}` for "

@@ -149,22 +149,95 @@ def coupled(logits: torch.Tensor, rows: Rows, noise: torch.Tensor) -> torch.Tens
     return processed(logits, rows) + noise
 
 
-def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, device) -> torch.Tensor:
-    """[n, width, vocab] Gumbel noise for output positions start[i] .. start[i] + width - 1 of each row, drawn
-    from a Philox stream keyed by a 128-bit hash of (the row's key, the position) alone (torch's CPU generator
-    keeps only 32 bits of a seed: positions would share noise). A row without a key (greedy) gets zeros."""
-    noise = np.zeros((len(keys), width, vocab), dtype=np.float32)
-    for i, key in enumerate(keys):
-        if key is None:
-            continue
-        for j in range(width):
-            digest = hashlib.blake2b(f"{key}:{int(start[i]) + j}".encode(), digest_size=16).digest()
-            u = np.random.Generator(np.random.Philox(key=int.from_bytes(digest, "little"))).random(vocab)
-            noise[i, j] = -np.log(-np.log(np.maximum(u, np.finfo(np.float64).tiny)))
-    out = torch.from_numpy(noise)
-    if torch.device(device).type == "cuda":  # drawn on the host: a device-side counter-based stream would not copy
-        return out.pin_memory().to(device, non_blocking=True)
-    return out
+# Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; Random123's reference,
+# the generator of cuRAND, torch's CUDA generator and TensorFlow): ten rounds of two 32x32->64-bit products, the key
+# bumped by Weyl increments between rounds.
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments
+_U32 = 0xFFFFFFFF
+NOISE_VERSION = 2  # coupled sampling's noise: 2 = `gumbel` below (1: numpy's Philox-4x64 on the host, by position)
+
+
+def _pass_blocks(device: torch.device) -> int:
+    """Philox blocks `gumbel` draws per pass: on a CPU 2^15 a thread (cache-sized: the fastest of 2^15..2^21 at 1,
+    4 and 16 threads on a 16-core host), elsewhere 2^22 (it bounds a pass's memory: 0.8 GiB at the peak, the
+    output included, at batch 64, width 9 and a 128k vocabulary on an H100)."""
+    return (1 << 15) * torch.get_num_threads() if device.type == "cpu" else 1 << 22
+
+
+def _mulhilo(m: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of m * x, m a constant < 2^32, x int64 holding values in [0, 2^32). torch has
+    no unsigned multiply-high and m * x may pass 2^63: the product is taken in m's 16-bit halves (each < 2^48)."""
+    low = x * (m & 0xFFFF)
+    high = x * (m >> 16)  # m * x = high * 2^16 + low
+    hi = (low >> 16).add_(high).bitwise_right_shift_(16)
+    lo = (high & 0xFFFF).bitwise_left_shift_(16).add_(low).bitwise_and_(_U32)
+    return hi, lo
+
+
+def philox4x32(counter, key, rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-`rounds` of the 128-bit counters (c0, c1, c2, c3) under the 64-bit keys (k0, k1): int64 tensors
+    holding uint32 words, broadcast together (any device, the same words on each). Returns the four output words."""
+    (c0, c1, c2, c3), (k0, k1) = counter, key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & _U32, (k1 + PHILOX_W[1]) & _U32
+        hi0, lo0 = _mulhilo(PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(PHILOX_M[1], c2)
+        c0, c1, c2, c3 = (hi1 ^ c1).bitwise_xor_(k0), lo1, (hi0 ^ c3).bitwise_xor_(k1), lo0
+    return c0, c1, c2, c3
+
+
+def uniform53(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) from two uint32 words (held in int64): their top 27 and 26 bits as a 53-bit fraction,
+    float64, so that 1 - u reaches 2^-53 and the Gumbel tail is not cut at float32's 2^-24."""
+    return (hi >> 5).mul_(1 << 26).add_(lo >> 6).double().mul_(2.0 ** -53)
+
+
+def noise_key(key: int) -> list[int]:
+    """The four uint32 words of a row key's 128-bit blake2b hash: its Philox key (words 0, 1) and counter words
+    2, 3 (words 0, 1 of the counter are the vocabulary block and the output position)."""
+    digest = hashlib.blake2b(str(key).encode(), digest_size=16, person=b"specdec-gumbel").digest()
+    return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
+
+
+def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, device,
+           blocks: int | None = None) -> torch.Tensor:
+    """[n, width, vocab] float32 Gumbel noise for output positions start[i] .. start[i] + width - 1 of each row,
+    drawn on `device`: token t at position p of a row with key k is -log(-log u), u the 53-bit uniform of words
+    (2 (t % 2), 2 (t % 2) + 1) of Philox4x32-10 at counter (t // 2, p, h2, h3) under key (h0, h1), h = `noise_key`
+    (k). A value depends on (k, p, t) alone, not on the batch, width, vocab, device or `blocks` (Philox blocks per
+    pass). A row without a key (greedy) gets zeros. The host builds one [rows, 5] table (hash words and start) and
+    copies it once; the rest is a fixed sequence of tensor ops per pass on the device (which needs float64), none
+    per (row, position)."""
+    n, device = len(keys), torch.device(device)
+    keyed = [i for i, key in enumerate(keys) if key is not None]
+    if not keyed or width == 0 or vocab == 0:
+        return torch.zeros((n, width, vocab), device=device)
+    table = torch.tensor([noise_key(keys[i]) + [int(start[i])] for i in keyed], dtype=torch.int64)  # [m, 5]
+    if device.type == "cuda":  # a pinned copy: the host does not wait for the device
+        table = table.pin_memory()
+    table = table.to(device, non_blocking=True)
+    # one stream per (row, position): its hash words and position, [streams, 1] against blocks [1, cols]
+    words = [table[:, i].repeat_interleave(width)[:, None] for i in range(4)]
+    positions = (table[:, 4:5] + torch.arange(width, device=device)).view(-1, 1)
+    streams, per_stream = len(keyed) * width, (vocab + 1) // 2  # a Philox block is two 53-bit uniforms
+    blocks = blocks or _pass_blocks(device)
+    cols = min(per_stream, blocks)
+    rows = max(1, blocks // cols)
+    out = torch.empty((streams, per_stream, 2), dtype=torch.float32, device=device)
+    for s0 in range(0, streams, rows):  # passes of about `blocks` blocks each
+        s = slice(s0, s0 + rows)
+        for b0 in range(0, per_stream, cols):
+            counter = (torch.arange(b0, min(b0 + cols, per_stream), device=device)[None, :], positions[s],
+                       words[2][s], words[3][s])
+            x0, x1, x2, x3 = philox4x32(counter, (words[0][s], words[1][s]))
+            u = torch.stack((uniform53(x0, x1), uniform53(x2, x3)), dim=-1)  # [rows, cols, 2]: tokens 2b, 2b + 1
+            out[s, b0 : b0 + cols] = u.clamp_min_(torch.finfo(torch.float64).tiny).log_().neg_().log_().neg_()
+    noise = out.view(len(keyed), width, 2 * per_stream)[..., :vocab]
+    if len(keyed) == n:
+        return noise.contiguous()
+    return torch.zeros((n, width, vocab), device=device).index_copy_(0, torch.tensor(keyed, device=device), noise)
 
 
 def uniforms(generators: list[torch.Generator | None], count: int, device) -> torch.Tensor:

@@ -183,6 +183,30 @@ def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
         ["generation.seed", "speculation.max_draft_tokens"]
 
 
+def test_coupled_jobs_fingerprint_their_noise_version(tmp_path, tiny_pair, monkeypatch):
+    """Coupled sampling's samples change with its noise (specdec.sampling.NOISE_VERSION): an output begun under
+    another version, or before versions were recorded, is refused naming it; other jobs' fingerprints ignore it."""
+    import jobs.spec
+    from jobs.manifest import MANIFEST, prepare_output
+    from workers.storage import open_storage
+    path, _ = config(tmp_path, tiny_pair, rows_of(2))
+    plain, coupled = load_spec(path), load_spec(path, ["speculation.sampling=coupled"])
+    storage = open_storage(coupled.output.path)
+    manifest = prepare_output(coupled, storage, [], 0, [], overwrite=False)
+    assert manifest["versions"] == {"coupled_noise": jobs.spec.NOISE_VERSION}
+    storage.put(MANIFEST, json.dumps(manifest).encode())
+    assert prepare_output(coupled, storage, [], 0, [], overwrite=False)["fingerprint"] == manifest["fingerprint"]
+    before = plain.fingerprint()
+    monkeypatch.setattr(jobs.spec, "NOISE_VERSION", jobs.spec.NOISE_VERSION + 1)
+    assert plain.fingerprint() == before and coupled.fingerprint() != manifest["fingerprint"]
+    with pytest.raises(JobError, match=f"coupled_noise version {manifest['versions']['coupled_noise']} -> "):
+        prepare_output(coupled, storage, [], 0, [], overwrite=False)
+    older = {k: v for k, v in manifest.items() if k != "versions"}  # an output from before versions were recorded
+    storage.put(MANIFEST, json.dumps(older).encode())
+    with pytest.raises(JobError, match="coupled_noise version unrecorded -> "):
+        prepare_output(coupled, storage, [], 0, [], overwrite=False)
+
+
 def test_changed_config_refused_unless_overwrite(tmp_path, tiny_pair, ray_session):
     path, _ = config(tmp_path, tiny_pair, rows_of(3))
     run_job(load_spec(path), progress=False)

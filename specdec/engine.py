@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import memory, profiler
+from . import llama, memory, profiler
 from .batch import Batch
 from .cache import RaggedKVCache
 from .config import SampleResult, SamplingParams, SpecConfig
@@ -43,6 +43,16 @@ from .stops import StopStrings
 from .tp import TPRunner
 from .verify import make_rule
 from .widths import VerifyWidths
+
+
+def _graph_bytes(runner) -> int:
+    """Bytes a runner's captured steps keep (static inputs and outputs)."""
+    from torch.utils._pytree import tree_flatten
+
+    graphs = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tree_flatten(list(graphs.values()))[0] if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
 
 
 class SpecEngine:
@@ -77,6 +87,10 @@ class SpecEngine:
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
+        # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
+        self.graph_width = spec.max_draft_tokens + 1 if spec.method != "none" else 1
+        self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
+        self.need: memory.Need | None = None  # what the memory plan counted for the last batch
         self.plan_check()
         pad = spec.verify_padding and spec.method != "none"
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
@@ -116,22 +130,45 @@ class SpecEngine:
         bias = getattr(head, "bias", None)
         return head.weight[:rows], bias[:rows] if bias is not None else None
 
-    def memory_plan(self, rows: int) -> memory.MemoryPlan | None:
-        """The KV-cache memory plan for `rows` rows on a GPU (None on CPU), counting the engine's current
-        caches as free (a new allocation replaces them)."""
-        freed = sum(r.cache.nbytes() for r in self._runners.values())
-        return memory.plan(self.device, list(self._models().values()), self.gpu_memory_fraction, rows,
-                           self.spec.max_nodes + 1, self.vocab_size, freed)
+    def memory_plan(self) -> memory.MemoryPlan | None:
+        """The GPU memory plan (None on CPU: `device_memory` gives no figures), counting the engine's current caches
+        and captured steps as free (a new allocation replaces them)."""
+        figures = self.device_memory()
+        if figures is None:
+            return None
+        free, total = figures
+        freed = sum(r.cache.nbytes() + _graph_bytes(r) for r in self._runners.values())
+        roles = []
+        for name, model in self._models().items():
+            tp = name == "target" and self.pair.tp is not None
+            lean = not tp and self.fast_path and llama.unsupported(model) is None
+            graphs = lean and (self.step_graphs if self.step_graphs is not None else self.device.type == "cuda")
+            vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
+            roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
+        top = self.spec.prompt_lookup.alignment_sampling
+        return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
+                                 ModelRunner.min_kv_bucket, top=top + 1 if top and self.spec.method == "prompt_lookup"
+                                 else 0, additive_mask=self.device.type == "cuda")
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
         return prompt_tokens + (max_new or self.sampling.max_new_tokens) + self.spec.max_nodes + 2
 
+    def alloc_len(self, slots: int) -> int:
+        """Slots the engine allocates per row for rows of `slots` slots: room to grow, a power of two and one more
+        (no attention window, a power of two, spans the whole buffer, specdec/graphs.py), but never past the
+        models' positions: every slot's position has a RoPE table entry (specdec/llama.py). The one length both
+        the allocation and the memory plan count."""
+        return max(slots, min(pow2_at_least(slots) + 1, self.max_positions))
+
     def plan_check(self) -> None:
         """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""
-        plan = self.memory_plan(1)
+        plan = self.memory_plan()
         if plan is not None:
-            plan.rows(self.row_tokens(1), 1)
+            slots = self.row_tokens(1)
+            need = plan.need(1, self.alloc_len(slots), 1, slots, 1)
+            if not plan.fits(need):
+                raise plan.refuse(need, f"one row of a 1-token prompt + max_new_tokens {self.sampling.max_new_tokens}")
 
     def runner(self, name: str, rows: int, max_len: int) -> ModelRunner:
         """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots. The caches
@@ -139,32 +176,47 @@ class SpecEngine:
         with one size and reuses its captured steps from shard to shard."""
         have = self._runners.get(name)
         if have is None or have.cache.rows < rows or have.cache.max_len < max_len:
-            self._allocate(rows, max_len)
+            self._allocate(*self._grown(rows, max_len))
         return self._runners[name]
 
-    def _allocate(self, rows: int, max_len: int) -> None:
+    def _grown(self, rows: int, max_len: int) -> tuple[int, int]:
+        """(rows, slots) of caches holding `rows` rows of `max_len` slots that keep what the current ones hold."""
         old = next(iter(self._runners.values()), None)
-        if old is not None:
-            rows, max_len = max(rows, old.cache.rows), max(max_len, old.cache.max_len)
+        if old is None:
+            return rows, self.alloc_len(max_len)
+        return max(rows, old.cache.rows), old.cache.max_len if max_len <= old.cache.max_len else self.alloc_len(max_len)
+
+    def _allocate(self, rows: int, max_len: int) -> None:
+        """Caches of exactly `rows` rows x `max_len` slots for every model (the old ones and their graphs go first)."""
+        if max_len > self.max_positions:
+            raise ValueError(f"{max_len} cache slots exceed the models' {self.max_positions} positions")
         self._runners.clear()
-        # room to grow: a power of two of slots (within the models' positions, plus the draft's slack), and one
-        # more, so that no attention window (a power of two, specdec/runner.py) spans the whole buffer
-        max_len = max(max_len, min(pow2_at_least(max_len), self.max_positions + self.spec.max_nodes + 2)) + 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old graphs' private pool goes back to the device
         for name, model in self._models().items():
             if name == "target" and self.pair.tp is not None:  # a tensor-parallel target: every rank allocates
                 self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
                 continue
             cache = RaggedKVCache(model, rows, max_len)
-            self._runners[name] = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path,
-                                              graphs=self.step_graphs)
+            runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs)
+            runner.max_graph_width = self.graph_width
+            self._runners[name] = runner
 
-    def _batch_rows(self, max_len: int, plan: memory.MemoryPlan | None) -> int:
-        """Rows a batch of rows up to max_len slots may have: batch_size, or fewer where the GPU's memory
-        plan allows fewer (the current caches, if large enough, are kept as they are)."""
-        have = next(iter(self._runners.values()), None)
-        if plan is None or (have is not None and have.cache.rows >= self.batch_size and have.cache.max_len >= max_len):
-            return self.batch_size
-        return plan.rows(max_len, self.batch_size)
+    def sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan | None) -> memory.Need | None:
+        """The caches (rows, slots) to hold and the rows a batch may have (`batch`: up to `want`) for rows of up to
+        `row_len` slots whose prompts have up to `prompt` tokens: the current caches, grown where too small, when
+        the plan fits them, else the largest fresh ones it fits (None without a plan: the current caches, grown).
+        Raises `OutOfMemoryPlan` when not one row fits."""
+        if plan is None:
+            return None
+        options = [lambda r: self._grown(r, row_len)]  # keep what the caches hold (their captured steps too)
+        if self._runners:
+            options.append(lambda r: (r, self.alloc_len(row_len)))  # or replace them by smaller ones
+        for size in options:
+            rows = memory.largest(lambda r: plan.fits(plan.need(*size(r), r, row_len, prompt)), want)
+            if rows:
+                return plan.need(*size(rows), rows, row_len, prompt)
+        raise plan.refuse(plan.need(*options[-1](1), 1, row_len, prompt), f"one row of {row_len} slots")
 
     @property
     def step_path(self) -> str:
@@ -176,7 +228,6 @@ class SpecEngine:
             return runner.path.removesuffix("+eager-fallback") + ("+eager-fallback" if fell else "")
         if self.pair.tp is not None:
             return f"lean-tp{self.pair.tp.group.world}"
-        from . import llama
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
 
@@ -194,12 +245,15 @@ class SpecEngine:
         return batch
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
-        """The longest prompt a row of `max_new` new tokens can take: the models' positions, and the GPU
-        memory plan's slots."""
+        """The longest prompt a row of `max_new` new tokens can take: every slot of the row (the draft's slack
+        included) within the models' positions, and, on a GPU, the row alone within the memory plan."""
         max_new = max_new or self.sampling.max_new_tokens
-        room = self.max_positions - max_new
-        if plan is not None:
-            room = min(room, plan.max_row_tokens() - self.row_tokens(0, max_new))
+        room = self.max_positions - self.row_tokens(0, max_new)
+        if plan is not None and room > 0:
+            def fits(p: int) -> bool:
+                slots = self.row_tokens(p, max_new)
+                return plan.fits(plan.need(1, self.alloc_len(slots), 1, slots, p))
+            room = memory.largest(fits, room)
         return room
 
     def _check_prompt(self, prompt: list[int], room: int, truncate: str,
@@ -213,8 +267,9 @@ class SpecEngine:
             if truncate == "left" and room > 0:
                 return prompt[-room:], None
             return prompt, (f"prompt_too_long: {len(prompt)} tokens + max_new_tokens {max_new}"
-                            f" exceed the {room + max_new} positions a row can have (the "
-                            "models' context, or the GPU memory plan); input.truncate: left keeps the last tokens")
+                            f" exceed the {room + max_new} tokens a row can have (the models' "
+                            f"{self.max_positions} positions less {self.spec.max_nodes + 2} for the draft, "
+                            "or the GPU memory plan); input.truncate: left keeps the last tokens")
         return prompt, None
 
     @torch.inference_mode()
@@ -235,10 +290,12 @@ class SpecEngine:
         if any(p.stop for p in params) and self.pair.tokenizer is None:
             raise ValueError("stop strings need the target's tokenizer")
         requests, results, todo = [], [], []
-        plan = self.memory_plan(self.batch_size)
+        plan = self.memory_plan()
+        rooms: dict[int, int] = {}  # max_new_tokens -> the longest prompt
         for i, (p, key, sp) in enumerate(zip(prompts, keys, params)):
-            p, reason = self._check_prompt([int(t) for t in p], self.max_prompt_tokens(plan, sp.max_new_tokens),
-                                           truncate, sp.max_new_tokens)
+            if sp.max_new_tokens not in rooms:
+                rooms[sp.max_new_tokens] = self.max_prompt_tokens(plan, sp.max_new_tokens)
+            p, reason = self._check_prompt([int(t) for t in p], rooms[sp.max_new_tokens], truncate, sp.max_new_tokens)
             if reason is None and sp.grammar is not None:
                 reason = self._check_format(sp)
             for sample in range(sp.n):
@@ -252,7 +309,15 @@ class SpecEngine:
             # samples stay together, so that they join together and share its prefill
             todo.sort(key=lambda i: (-len(requests[i].prompt), requests[i].group))
             max_len = max(self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo)
-            batch = self.new_batch(min(self._batch_rows(max_len, plan), len(todo)), max_len, policy)
+            want = min(self.batch_size, len(todo))
+            plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
+            self.need = need = self.sizes(want, max_len, len(requests[todo[0]].prompt), plan)
+            if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
+                have = self._runners.get("target")
+                if have is None or (have.cache.rows, have.cache.max_len) != (need.rows, need.max_len):
+                    self._allocate(need.rows, need.max_len)
+                want = need.batch
+            batch = self.new_batch(want, max_len, policy)
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.capacity, self.vocab_size, self.device, self.stop_ids)
             Rounds(self, batch, policy, requests, results, on_round).run(deque(todo))

@@ -1,10 +1,21 @@
-"""Planning a worker's GPU memory: how many rows of how many tokens the KV caches can hold.
+"""Planning a worker's GPU memory: how many rows of how many slots a batch may have.
 
-The plan is made from what is left under `gpu_memory_fraction` of the device once both models' weights
-are loaded, less a reserve for a step's activations (logits of the widest verification, in float32,
-a few times over) and the CUDA-graph pool. A row costs, per token, the KV bytes of every layer of the
-target and of the draft. A config that cannot fit one row of the longest prompt plus `max_new_tokens`
-is refused with the figures; a batch that does not fit whole runs with fewer rows.
+The plan counts what the engine allocates and what its forwards hold at their peak, against what is left
+under `gpu_memory_fraction` of the device once the weights are loaded (`used`: the weights, the process's
+other tensors, other processes; the engine's current caches and captured steps count as free, since a new
+allocation replaces them):
+- the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: a power of two and one, not
+  the rows' own length) x both models' KV bytes per token, and the batch's token buffer;
+- captured steps (specdec/graphs.py): each key the runner can capture keeps its static inputs and outputs
+  (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
+  the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
+  working memory of one step;
+- activations, the largest of: the target's prefill of every row of the batch in one forward (rows join by
+  a prefill, a whole batch at first), the draft's catch-up of whole rows (rows that joined while the policy
+  did not draft), and a round: one step, and the float32 work on the draft's and the target's distributions;
+- `slack` for what is neither (cuBLAS workspaces, the allocator's rounding).
+A batch that does not fit runs with fewer rows; a config whose one row of a one-token prompt does not fit is
+refused at start (`OutOfMemoryPlan`, naming the figures and the keys to change).
 """
 
 from __future__ import annotations
@@ -14,60 +25,207 @@ from dataclasses import dataclass
 import torch
 
 from .cache import model_kv_shape
+from .costmodel import pow2_at_least
 
 GiB = 1 << 30
+TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/runner.py)
+ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order
+# counts two), verification, the draft's distributions
 
 
 def kv_bytes_per_token(models) -> int:
     """KV-cache bytes one token of one row takes in all layers of these models."""
-    total = 0
-    for m in models:
-        layers, kv_heads, head_dim = model_kv_shape(m)
-        total += 2 * layers * kv_heads * head_dim * next(m.parameters()).element_size()
-    return total
+    return sum(Shape.of(m).kv_per_token for m in models)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's sizes, from its config and dtype: what its caches and forwards take."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    d: int
+    intermediate: int
+    vocab: int  # rows of its output head
+    itemsize: int  # bytes of its dtype
+
+    @classmethod
+    def of(cls, model, vocab: int | None = None) -> Shape:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        layers, kv_heads, head_dim = model_kv_shape(model)
+        d = cfg.hidden_size
+        inter = getattr(cfg, "intermediate_size", None) or 4 * d
+        rows = vocab or model.get_output_embeddings().weight.shape[0]
+        return cls(layers, cfg.num_attention_heads, kv_heads, head_dim, d, inter, rows,
+                   next(model.parameters()).element_size())
+
+    @property
+    def kv_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+    def forward(self, rows: int, tokens: int, kv: int, logits: str = "none", top: int = 0,
+                additive_mask: bool = True) -> int:
+        """Peak bytes one lean forward (specdec/llama.py; the generic path is taken as alike) holds besides the
+        caches: `rows` rows of `tokens` tokens over `kv` slots. In the model's dtype, per token, in every layer: the
+        fused q/k/v ((heads + 2 kv_heads) hd), the roped q, its grouped copy and the attention's output (3 heads
+        hd), the roped k (kv_heads hd), RoPE's cos and sin (2 hd); with the residual (d) while attention runs, and at
+        the MLP with the residual's two updates and the normed input (4 d) and gate/up, activation and product (4
+        intermediate). The boolean mask (rows x group x tokens x kv bytes) lives across layers; while attention runs
+        on CUDA (`additive_mask`), torch's SDPA holds an additive copy in the dtype, its negation and an aligned copy.
+        Then the output: `all` logits [rows, tokens, vocab] and hidden states, the `last` position's of each row,
+        or (the prefill's `top` ids) a copy of the hidden states, the ids, and logits 2^26 at a time."""
+        e, n, hd = self.itemsize, rows * tokens, self.head_dim
+        common = (self.heads + 2 * self.kv_heads) * hd + 3 * self.heads * hd + self.kv_heads * hd + 2 * hd
+        mask = rows * (self.heads // self.kv_heads) * tokens * kv
+        attention = n * e * (self.d + common) + mask * (2 + 2 * e if additive_mask else 1)
+        mlp = n * e * (4 * self.d + common + 4 * self.intermediate) + mask
+        out = 0
+        if logits == "all":
+            out = n * (self.vocab + self.d) * e
+        elif logits == "last":
+            out = n * self.d * e + rows * (self.vocab + self.d) * e
+        elif logits == "top":
+            out = n * (self.d * e + 1 + 16 * top) + min(n, max(1, TOP_CHUNK // self.vocab)) * self.vocab * e
+        return max(attention, mlp) + out
+
+    def kept(self, rows: int, width: int, last: bool) -> int:
+        """Bytes a captured step of `rows` rows and `width` tokens keeps: its static inputs (tokens and positions,
+        and each row's last position) and its outputs (logits and hidden states, of every position or the last)."""
+        inputs = 16 * rows * width + (8 * rows if last else 0)
+        return inputs + rows * (1 if last else width) * (self.vocab + self.d) * self.itemsize
+
+
+def row_buckets(rows: int) -> list[int]:
+    """The row counts steps of up to `rows` rows are padded to (specdec/runner.py): powers of two, and `rows`."""
+    return sorted({min(1 << j, rows) for j in range(rows.bit_length() + 1)})
+
+
+def kv_buckets(max_len: int, smallest: int) -> list[int]:
+    """The attention windows steps over a cache of `max_len` slots use: powers of two from `smallest`, and the
+    whole buffer."""
+    out, p = [], pow2_at_least(smallest)
+    while True:
+        out.append(min(p, max_len))
+        if p >= max_len:
+            return out
+        p *= 2
+
+
+@dataclass(frozen=True)
+class Role:
+    """A model of the pair, as the plan sees it: its sizes, and which steps of it are captured."""
+
+    name: str  # "target" or "draft"
+    shape: Shape
+    graphs: bool  # its steps replay captured graphs
+
+    def step_kinds(self, width: int) -> list[tuple[int, bool]]:
+        """(width, last) of the steps a round takes: the target verifies every position of up to `width`
+        tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
+        if self.name == "target":
+            return [(w, False) for w in range(1, width + 1)]
+        return [(1, False)] + [(w, True) for w in range(1, width + 1)]
+
+
+@dataclass
+class Need:
+    """What a batch's allocation and forwards take, in bytes."""
+
+    rows: int  # cache rows allocated
+    max_len: int  # slots per row allocated
+    batch: int  # rows of the batch (all prefilled at once at its start)
+    kv: int  # KV caches and the batch's token buffer
+    graphs: int  # captured steps: kept inputs and outputs, and one step's working memory
+    activations: int  # the largest forward (a prefill, a catch-up) or round
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.graphs + self.activations
+
+    def describe(self) -> str:
+        return (f"{self.total / GiB:.2f} GiB ({self.rows} rows x {self.max_len} slots of KV cache {self.kv / GiB:.2f}, "
+                f"captured steps {self.graphs / GiB:.2f}, activations {self.activations / GiB:.2f})")
 
 
 class OutOfMemoryPlan(ValueError):
-    """Even one row does not fit the memory planned for the KV caches."""
+    """Even one row does not fit the memory plan."""
 
 
 @dataclass
 class MemoryPlan:
-    budget: int  # bytes the KV caches may take
-    per_token: int  # bytes per row-token, both models
+    roles: list[Role]
     fraction: float
     total: int  # the device's memory
     used: int  # in use when the plan was made (weights, the process's other tensors, other processes)
-    reserve: int
+    width: int  # the widest captured step
+    kv_bucket: int  # the smallest attention window of a captured step (ModelRunner.min_kv_bucket)
+    top: int = 0  # top ids the target's prefill computes at every prompt position (AASD)
+    additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
+    slack: int = GiB // 2
 
-    def max_row_tokens(self) -> int:
-        """The most tokens one row can hold."""
-        return max(self.budget, 0) // self.per_token
+    @property
+    def budget(self) -> int:
+        """Bytes the caches, captured steps and activations may take."""
+        return int(self.fraction * self.total) - self.used - self.slack
 
-    def rows(self, max_len: int, want: int) -> int:
-        """Rows of max_len tokens to allocate: `want`, or as many as fit; refuses if none fits."""
-        fit = self.budget // (max_len * self.per_token)
-        if fit < 1:
-            raise OutOfMemoryPlan(
-                f"one row of {max_len} tokens needs {max_len * self.per_token / GiB:.2f} GiB of KV cache, but "
-                f"resources.gpu_memory_fraction {self.fraction} of {self.total / GiB:.1f} GiB leaves "
-                f"{max(self.budget, 0) / GiB:.2f} GiB after {self.used / GiB:.1f} GiB in use (weights) and "
-                f"{self.reserve / GiB:.2f} GiB for activations: raise the fraction, or lower "
-                "generation.max_new_tokens or the prompts' length")
-        return min(want, fit)
+    def need(self, rows: int, max_len: int, batch: int, row_len: int, prompt: int) -> Need:
+        """What caches of `rows` rows x `max_len` slots take with a batch of `batch` rows of up to `row_len` slots
+        whose prompts have up to `prompt` tokens."""
+        kv = rows * max_len * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
+        graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
+                     for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
+        if graphs:  # and the pool keeps the working memory of the widest step captured
+            graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
+        step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
+        vocab = max(r.shape.vocab for r in self.roles)
+        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top" if self.top else "none"),
+                self._forward(self.roles[0], step_rows, self.width, max_len, "all")
+                + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
+        acts += [self._forward(role, batch, row_len, row_len, "last") for role in self.roles[1:]]
+        return Need(rows, max_len, batch, kv, graphs, max(acts))
+
+    def keys(self, rows: int, max_len: int) -> dict[str, set[tuple]]:
+        """Per model whose steps are captured, every key (rows, width, window, all positions) a runner over caches
+        of `rows` rows x `max_len` slots can capture (specdec/runner.py)."""
+        windows = kv_buckets(max_len, self.kv_bucket)
+        return {role.name: {(r, w, kv, not last) for r in row_buckets(rows) for w, last in role.step_kinds(self.width)
+                            for kv in windows} for role in self.roles if role.graphs}
+
+    def _forward(self, role: Role, rows: int, tokens: int, kv: int, logits: str) -> int:
+        return role.shape.forward(rows, tokens, kv, logits, self.top, self.additive_mask)
+
+    def fits(self, need: Need) -> bool:
+        return need.total <= self.budget
+
+    def refuse(self, need: Need, what: str) -> OutOfMemoryPlan:
+        return OutOfMemoryPlan(
+            f"{what} needs {need.describe()}, but resources.gpu_memory_fraction {self.fraction} of "
+            f"{self.total / GiB:.1f} GiB leaves {max(self.budget, 0) / GiB:.2f} GiB after {self.used / GiB:.1f} GiB in "
+            f"use (weights) and {self.slack / GiB:.2f} GiB of slack: raise the fraction, or lower "
+            "generation.max_new_tokens or the prompts' length")
 
 
-def plan(device: torch.device, models, fraction: float, rows: int, width: int, vocab: int,
-         freed: int = 0) -> MemoryPlan | None:
-    """The plan for a CUDA device (None elsewhere: CPU memory is not planned). `freed`: bytes of caches
-    about to be released (the engine's current ones, replaced by the new allocation)."""
+def largest(fits, high: int) -> int:
+    """The largest n in [1, high] with fits(n), for fits true up to some n and false after; 0 if none."""
+    lo, hi = 0, high
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device, the allocator's cached blocks counted free (torch reuses them); None
+    elsewhere (CPU memory is not planned)."""
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free - freed
-    reserve = 3 * rows * width * vocab * 4 + GiB // 2
-    budget = int(fraction * total) - used - reserve
-    return MemoryPlan(budget, kv_bytes_per_token(models), fraction, total, used, reserve)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 
 def out_of_memory(exc: BaseException) -> bool:

@@ -35,15 +35,15 @@ def engine_checks(engine) -> list[dict]:
 
 
 def memory_fit(engine) -> dict:
-    """Whether the weights leave the KV caches room for a batch, by the job's memory plan."""
-    plan = engine.memory_plan(engine.batch_size)
+    """Whether the weights leave room for a batch, by the job's memory plan (specdec/memory.py)."""
+    plan = engine.memory_plan()
     if plan is None:
         return row("memory plan", NO_GPU, None)
-    per_row = engine.row_tokens(1)
-    fit = max(plan.budget, 0) // (per_row * plan.per_token)
-    text = (f"{plan.used / memory.GiB:.1f} GiB in use (weights) of {plan.total / memory.GiB:.1f} GiB; KV budget "
-            f"{max(plan.budget, 0) / memory.GiB:.2f} GiB: {fit} rows of a 1-token prompt + max_new_tokens fit "
-            f"(batch_size {engine.batch_size})")
+    slots = engine.row_tokens(1)
+    fit = memory.largest(lambda r: plan.fits(plan.need(r, engine.alloc_len(slots), r, slots, 1)), 1 << 16)
+    text = (f"{plan.used / memory.GiB:.1f} GiB in use (weights) of {plan.total / memory.GiB:.1f} GiB; budget "
+            f"{max(plan.budget, 0) / memory.GiB:.2f} GiB (KV caches, captured steps, activations): {fit} rows of a "
+            f"1-token prompt + max_new_tokens fit (batch_size {engine.batch_size})")
     return row("memory plan", text, fit >= 1)
 
 

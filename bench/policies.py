@@ -7,7 +7,8 @@ goodput and the SpecDec++ acceptance head (a threshold sweep), at several batch 
 Prints decode tokens/s of the fastest run and its ratio to autoregressive's fastest at the same batch
 size; the paired ratio to autoregressive (median over --repeats, and its range); tokens per target
 call, acceptance rate, and SpecDec++'s hardware-independent figures: discard rate (discarded draft
-tokens per generated token) and verification rate (target calls per generated token).
+tokens per generated token) and verification rate (target calls per generated token); `shapes`: the most
+step shapes a timed run met first (on a GPU each is a graph capture and an eager check inside the timing).
 
 Paired ratios: a shared machine drifts by 10% over minutes, more than the policies differ at batch 1.
 Every repeat starts with an autoregressive run and one more ends the last repeat; each policy run is
@@ -71,7 +72,7 @@ def main():
           f"best of {args.repeats} interleaved runs{', warm engines' if args.warm else ''}, {describe(pair)}")
     engine_run(pair, chat_ids(pair.tokenizer, HELD_OUT[:2]), "draft_model", 2, 2, 8)  # warm-up
     print(f"{'policy':30s} {'batch':>5s} {'rows':>5s} {'tok/s':>7s} {'vs AR':>6s} {'paired':>6s} {'range':>10s} "
-          f"{'tok/call':>8s} {'accept':>6s} {'discard':>7s} {'verify':>6s} {'=AR':>4s}")
+          f"{'tok/call':>8s} {'accept':>6s} {'discard':>7s} {'verify':>6s} {'=AR':>4s} {'shapes':>6s}")
     for bs in (int(b) for b in args.batches.split(",")):
         prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: args.prompts or max(8, math.ceil(args.queue * bs))])
         runs = [("autoregressive", dict(method="none", k=0))]
@@ -111,6 +112,7 @@ def main():
             return eng
 
         engines = {}
+        new_shapes: dict[str, list[int]] = {}  # step shapes first run inside timed runs (a GPU captures each)
         startup: dict[str, list[float]] = {}  # start-up profile seconds per engine built (goodput); not in tok/s
         if args.warm:  # other prompts than the timed ones, as a worker's earlier shards would be
             others = chat_ids(pair.tokenizer, (HELD_OUT * 16)[8 : 8 + len(prompts)])
@@ -124,9 +126,11 @@ def main():
             eng = engines.get(name) or build(kw)
             if eng.profile_s and name not in engines:
                 startup.setdefault(name, []).append(eng.profile_s)
+            shapes = step_shapes(eng)
             t = time.perf_counter()
             r = timed_generate(eng, prompts)
             r["at"] = (t + time.perf_counter()) / 2
+            new_shapes.setdefault(name, []).append(step_shapes(eng) - shapes)
             if name not in best or r["tok_s"] > best[name]["tok_s"]:
                 best[name] = r
             return r
@@ -152,10 +156,17 @@ def main():
             rs = ratios.get(name) or [1.0]
             print(f"{name:30s} {bs:5d} {len(prompts):5d} {r['tok_s']:7.1f} {r['tok_s'] / base['tok_s']:6.2f} "
                   f"{statistics.median(rs):6.2f} {min(rs):5.2f}-{max(rs):4.2f} {r['per_call']:8.2f} {acc:>6s} "
-                  f"{r['discard']:7.2f} {r['verify']:6.2f} {same:2d}/{len(prompts)}", flush=True)
+                  f"{r['discard']:7.2f} {r['verify']:6.2f} {same:2d}/{len(prompts)} {max(new_shapes.get(name, [0])):6d}",
+                  flush=True)
         for name, secs in startup.items():
             print(f"  {name}: start-up profile {statistics.median(secs):.1f} s per engine (once per worker; "
                   f"outside tok/s)", flush=True)
+
+
+def step_shapes(eng) -> int:
+    """Step shapes the engine's runners have run on their fast path so far: on a GPU each was captured as a
+    graph and checked against eager once (seconds of work), so one first met inside a timed run costs it."""
+    return sum(len(r.graphs or ()) + len(r.eager) for r in eng._runners.values() if hasattr(r, "eager"))
 
 
 def interpolate(before: dict, after: dict, at: float) -> float:

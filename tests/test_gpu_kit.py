@@ -121,10 +121,10 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         speed = (out[stage] / "step_speed.txt").read_text()
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
-    for name in ("test_fastpath", "test_engine", "test_sampling"):
+    for name in ("test_fastpath", "test_engine", "test_sampling", "test_noise", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
     table = (out["third"] / "policies.txt").read_text()
-    rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)$", table, re.M)
+    rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)\s+\d+$", table, re.M)
     assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table
     assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row

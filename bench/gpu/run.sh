@@ -15,7 +15,7 @@
 # budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py"
+TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}

@@ -225,3 +225,30 @@ def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
     assert reads.count > eng_rounds(out, 3)
     assert np.mean([r.mean_accepted_length for r in out]) > 1
 
+
+
+def test_compiled_layers_of_four_model_shapes_never_fall_back(prompts, monkeypatch):
+    """The compiled halves specialize on a model's shape (heads, head_dim) and on one row or token vs more: a
+    target and three drafts of other shapes, over batch sizes 1..4, compile more than 8 times per half, past
+    torch's default recompile limit (where fullgraph turns the ninth into an error and that shape would run
+    eagerly for good). Every step stays on the compiled path and matches eager."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    monkeypatch.setattr(ModelRunner, "compile_layers", True)
+
+    def shaped(hidden, heads, kv_heads, seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, intermediate_size=2 * hidden, initializer_range=0.3,
+                          max_position_embeddings=512, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        return LlamaForCausalLM(cfg).to(DEVICE).eval().requires_grad_(False)
+
+    target = shaped(64, 4, 2, 0)
+    spec = SpecConfig(method="draft_model", num_draft_tokens=2, draft_length="fixed")
+    runners = []
+    for draft in (shaped(32, 2, 1, 1), shaped(48, 3, 3, 2), shaped(96, 4, 4, 3)):
+        eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=6), spec, batch_size=4, step_graphs=False)
+        for n in (1, 2, 4):
+            eng.generate(prompts[:n])
+        runners += eng._runners.values()
+    assert all(r.layer is not llama.layer_forward and r.checked for r in runners)
+    assert [r.eager for r in runners] == [{}] * len(runners)

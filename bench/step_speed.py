@@ -1,5 +1,6 @@
 """Step speed: autoregressive tok/s through specdec's step paths and transformers' references, for the
-SmolLM2 target and random-weight Llama-1B and Llama-8B shapes, at several batch sizes (GPU by default).
+SmolLM2 target and random-weight Llama-1B and Llama-8B shapes, at several batch sizes (GPU by default); on a
+CPU, `small32k` (2 layers, 64 wide, 32k vocabulary) shows what a round costs beyond its matrix products.
 
     python bench/step_speed.py [--shapes smollm2,llama1b,llama8b] [--batches 1,8,32,64] [--max-new 128]
                               [--paths generic,fast,fast-uncompiled] [--hf eager,compiled] [--deadline 540]
@@ -41,6 +42,8 @@ SHAPES = {  # LlamaConfig fields of each shape
     "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
                     max_position_embeddings=8192),
+    "small32k": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True, max_position_embeddings=1024),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=96, tie_word_embeddings=True, max_position_embeddings=1024),
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -150,9 +153,12 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--target", action="store_true", help="real SmolLM2 weights for the smollm2 shape")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new row starts")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only to check the script (shape tiny)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu (the real target, or small32k / tiny)")
     ap.add_argument("--out", default=None, help="also append every line to this file")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     start = time.perf_counter()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)

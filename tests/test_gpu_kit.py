@@ -81,7 +81,7 @@ def test_the_calls_fit_the_lease():
     step = [int(v) for v in re.findall(r"\$\{KIT_STEP_S:-(\d+)\}", run_sh)]
     setup = 15  # wheels, the environment's line, the parts
     stage = {"first": setup + step[0] + default["KIT_TEST_S"], "second": setup + step[1],
-             "third": setup + default["KIT_POLICY_S"]}
+             "third": setup + default["KIT_POLICY_S"] + default["KIT_PROFILE_S"]}
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
     assert 30 + sum(limits.values()) + 2 * 10 <= 600, limits
@@ -128,3 +128,6 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)\s+\d+$", table, re.M)
     assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table
     assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row
+    profile = (out["third"] / "round_profile.txt").read_text()
+    assert re.search(r"^## plain: \d+\.\d+ ms per round", profile, re.M), profile[:2000]
+    assert re.search(r"^## fixed k=2: \d+\.\d+ ms per round", profile, re.M) and "Self CPU" in profile, profile[:2000]

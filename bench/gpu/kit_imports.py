@@ -1,5 +1,5 @@
 """Imports what the kit's stages import, in one process: the engine, the target's lookup, the GPU test files
-(collected as `pytest --co` does) and bench/step_speed.py and bench/policies.py up to their --help.
+(collected as `pytest --co` does) and the bench scripts the stages run, up to their --help.
 tests/test_gpu_kit.py runs it under the image's view (view/sitecustomize.py); exit 0: all imported."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     rc = pytest.main(["--co", "-q", "-p", "no:cacheprovider", *gpu_test_files()])
     if rc != 0:
         sys.exit(f"kit_imports: pytest could not collect the GPU tests (exit {rc})")
-    for script in ("bench/step_speed.py", "bench/policies.py"):
+    for script in ("bench/step_speed.py", "bench/policies.py", "bench/round_profile.py"):
         sys.argv = [script, "--help"]
         try:
             runpy.run_path(script, run_name="__main__")

@@ -5,14 +5,15 @@
 #           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others
 #           with its own budget
 #   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path
-#   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines
+#   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
+#           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
 # its model part (.carry/pN) for the third. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, and KIT_VIEW (a folder put first on PYTHONPATH).
+# KIT_PROFILE_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, KIT_PROFILE_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py tests/test_memory.py"
@@ -98,9 +99,11 @@ stage() {
       step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-90}" ;;
     third)
       wheels; keep; join_models
-      STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-130}" python3 bench/policies.py --device "$DEVICE" \
-        --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 1,32 --policies default,fixed,goodput \
-        --ks 2,4 --max-draft 8 --repeats 1} ;;
+      STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-100}" python3 bench/policies.py --device "$DEVICE" \
+        --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 1,32 --policies default,fixed \
+        --ks 2,4 --max-draft 8 --repeats 1}
+      step round_profile "${KIT_PROFILE_S:-30}" python3 bench/round_profile.py --device "$DEVICE" \
+        --draft "$MODELS/smollm2-draft-4l" ${KIT_PROFILE_ARGS:---batch 32} --out "$OUT/round_profile.txt" ;;
   esac
   echo "# stage $STAGE: ${FAILED:-every step exited 0}"
   [ -z "$FAILED" ]

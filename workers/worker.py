@@ -18,8 +18,9 @@ import time
 from specdec.config import SampleResult, SamplingParams, SpecConfig
 
 from . import faults, logs
-from .fetch import localize
+from .fetch import localize, source_kind
 from .inputs import Shard, read_shard
+from .loading import Stages
 from .outputs import commit_jsonl, parquet_bytes, parsed_types, part_entry
 from .preflight import device_name
 from .rows import free_memory, generate_fitting, generate_rows
@@ -31,7 +32,8 @@ class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
     hang checks."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, stage_key: str | None = None):
+        """Load the pair and build the engine, telling the driver each stage under `stage_key` (workers/loading.py)."""
         import torch
 
         from specdec.engine import SpecEngine
@@ -39,11 +41,16 @@ class GenerationWorker:
 
         logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
+        stage = Stages(stage_key)
+        stage("starting")
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
         faults.install_engine_hooks()
         self.spec = spec
         used = models_used(spec.models, spec.speculation)
+        remote = [key for key, src in used.items() if source_kind(src.path) in ("pypi", "s3")]
+        if remote:
+            stage(f"fetching {' and '.join(remote)} (once per node)")
         target = localize(used["models.target.path"])
         tp, self.layout, batch_size = None, None, spec.resources.batch_size
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
@@ -52,15 +59,20 @@ class GenerationWorker:
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
+            stage(f"starting {target.tensor_parallel} tensor-parallel ranks")
             tp, self.layout = group.start(target, spec.resources)  # binds this rank's GPU before CUDA starts
             batch_size = group.batch_size_after_oom(batch_size)
         device = ("cuda" if tp is None else str(tp.group.device)) if spec.use_gpu and torch.cuda.is_available() \
             else "cpu"
-        self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
+        draft = localize(used.get("models.draft.path"))
+        stage(f"loading the models on {device}")
+        self.pair = load_pair(target, draft, device, tp=tp)
         faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
+        if self.engine.needs_costs:
+            stage("measuring the pair's step costs (draft_length: goodput)")
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)

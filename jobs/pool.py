@@ -6,29 +6,35 @@ progress.
 from __future__ import annotations
 
 import math
-import sys
 import time
+import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from workers import loading
 from workers.spec import WorkerSpec
 
 from .manifest import JobError
 
 NODE_POLL_S = 1.0  # how often the pool looks at the cluster's nodes and free resources
 WAIT_SAY_S = 30.0  # how long workers may wait for room before the driver says so (and again every so often)
+STAGE_LINES = 4  # placed workers loading whose stages are said one by one; more are counted by stage
 
 
 @dataclass(eq=False)
 class Member:
     """A worker actor of the pool: `ready` is its constructor's answer to wait for (None once it has loaded its
-    models); `node` and `name` (host:pid) are those of its current process."""
+    models); `node` and `name` (host:pid) are those of its current process; `key` is where it tells its loading
+    stages (workers/loading.py), `said` the last one the driver said."""
 
     actor: Any
     group: Any  # its placement group's scheduling strategy (tensor parallel), else None
     ready: Any
     node: str | None = None
     name: str | None = None
+    key: str | None = None
+    said: tuple | None = None
 
 
 class Pool:
@@ -61,6 +67,8 @@ class Pool:
         self.lost_nodes: set[str] = set()  # nodes that left the cluster while the job ran
         self.checked = time.monotonic()
         self.waiting_since: float | None = None
+        self.key = f"{uuid.uuid4().hex}/"  # this pool's workers tell their loading stages under it
+        self.counted: tuple = ()  # the stage counts said last (more than STAGE_LINES workers loading)
 
     def live(self) -> list[Member]:
         return [m for m in self.members if m.ready is None]
@@ -70,8 +78,9 @@ class Pool:
         for _ in range(max(0, n)):
             group = self._placement()
             actor = self.actor.options(**self.options, **({"scheduling_strategy": group} if group else {}))
-            actor = actor.remote(self.spec)
-            self.members.append(Member(actor, group, actor.ready.remote()))
+            key = f"{self.key}{self.started}"
+            actor = actor.remote(self.spec, key)
+            self.members.append(Member(actor, group, actor.ready.remote(), key=key))
             self.started += 1
 
     def top_up(self, work: int) -> None:
@@ -132,19 +141,34 @@ class Pool:
         return self.live()
 
     def say_waiting(self, since: float) -> None:
-        """Say, every WAIT_SAY_S, what the workers not placed yet wait for."""
+        """Say what the workers that have not loaded their models yet are doing: a placed one its loading stage
+        as it changes (on which node, seconds since it started; counts by stage when more than STAGE_LINES load),
+        and, every WAIT_SAY_S, how many wait for a node with room (those that have told no stage)."""
         import ray
 
+        pending = [m for m in self.members if m.ready is not None]
+        stages = loading.read(self.key) if pending else {}
+        placed = [(m, stages[m.key]) for m in pending if m.key in stages]
+        if len(placed) <= STAGE_LINES:
+            for m, st in placed:
+                if m.said != (st["name"], st["stage"]):
+                    m.said = (st["name"], st["stage"])
+                    self.say(f"specbatch: worker {st['name']} on node {st['node']}: {st['stage']} "
+                             f"({st['elapsed_s']:.0f}s since it started)")
+        else:
+            counts = tuple(sorted(Counter(st["stage"] for _, st in placed).items()))
+            if counts != self.counted:
+                self.counted = counts
+                self.say(f"specbatch: {len(placed)} workers loading: " + ", ".join(f"{n} {s}" for s, n in counts))
         now = time.monotonic()
-        waiting = len(self.members) - len(self.live())
+        waiting = len(pending) - len(placed)
         if not waiting or now - since < WAIT_SAY_S or now - (self.waiting_since or 0) < WAIT_SAY_S:
             return
         self.waiting_since = now
         ranks = self.spec.models.target.tensor_parallel
         bundle = {k: v / ranks for k, v in self.shape.items()}
-        print(f"specbatch: {waiting} of {len(self.members)} workers wait for a node with room for "
-              f"{f'{ranks} x ' if ranks > 1 else ''}{bundle} (cluster now: {ray.cluster_resources()})...",
-              file=sys.stderr, flush=True)
+        self.say(f"specbatch: {waiting} of {len(self.members)} workers wait for a node with room for "
+                 f"{f'{ranks} x ' if ranks > 1 else ''}{bundle} (cluster now: {ray.cluster_resources()})...")
 
     def lost(self) -> list[Member]:
         """The workers on nodes that left the cluster since the last look (at most every NODE_POLL_S), and those not
@@ -168,6 +192,7 @@ class Pool:
         for m in self.members:
             self._end(m)
         self.members = []
+        loading.clear(self.key)
 
     @staticmethod
     def _alive_nodes() -> set[str]:

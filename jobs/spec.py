@@ -182,9 +182,9 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _unknown_key(loc: tuple) -> str:
+def _unknown_key(loc: tuple, root: type[BaseModel] = JobSpec) -> str:
     """"unknown key", and the key of that section nearest to it (what a typo meant), else the section's keys."""
-    model: type[BaseModel] | None = JobSpec
+    model: type[BaseModel] | None = root
     for part in loc[:-1]:
         field = model.model_fields.get(part) if isinstance(part, str) else None
         model = _section(field.annotation) if field is not None else None
@@ -198,13 +198,14 @@ def _unknown_key(loc: tuple) -> str:
     return f"unknown key ({section or 'the config'} has: {', '.join(keys)})"
 
 
-def _format(err: ValidationError) -> str:
+def format_errors(err: ValidationError, root: type[BaseModel] = JobSpec) -> str:
+    """A validation error of a `root` config as "key: what is wrong; ..." (a typo: the key meant)."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = _unknown_key(e["loc"])
+            msg = _unknown_key(e["loc"], root)
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         lines.append(f"{key}: {msg}" if key else msg)
@@ -222,10 +223,15 @@ def parse_spec(data: dict, overrides: list[str] | tuple[str, ...] = (), date: st
     try:
         return JobSpec.model_validate(data, context={"date": date})
     except ValidationError as exc:
-        raise ConfigError(f"config error: {_format(exc)}") from None
+        raise ConfigError(f"config error: {format_errors(exc)}") from None
 
 
 def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (), date: str | None = None) -> JobSpec:
+    return parse_spec(read_config(path), overrides, date)
+
+
+def read_config(path: str) -> dict:
+    """A config file's mapping of sections; ConfigError for a file that cannot be read or is not one."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -235,7 +241,7 @@ def load_spec(path: str, overrides: list[str] | tuple[str, ...] = (), date: str 
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections")
-    return parse_spec(data, overrides, date)
+    return data
 
 
 def _section(annotation) -> type[BaseModel] | None:

@@ -14,6 +14,8 @@ call (`forced`, jump-forward) and the target reads it in the next round's forwar
 from __future__ import annotations
 
 import json
+import logging
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,12 +24,17 @@ import torch
 if TYPE_CHECKING:
     from .config import ResponseFormat
 
+log = logging.getLogger(__name__)
+
 # JSON without free whitespace: the separators are forced tokens, and a small model cannot wander into blanks
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# what output formats spell: spaces, a newline, digits, quotes, brackets, separators
+SPELLING_SAMPLE = '{"name": "Ada", "year": 1815, "ok": [true, null]}\nIt is 3 - 4.'
 
 
 class GrammarError(ValueError):
-    """A response format the grammar engine cannot compile; the message reads "bad_response_format: ..."."""
+    """A response format the grammar engine cannot compile ("bad_response_format: ..."), or a tokenizer it cannot
+    follow formats with ("tokenizer: ...")."""
 
 
 def grammar_text(fmt: ResponseFormat) -> str:
@@ -54,20 +61,31 @@ class Grammars:
         self._compiled: dict[str, object] = {}  # format (JSON) -> a fresh matcher to copy, or the error
 
     def tokenizer(self):
+        """llguidance's view of the target's tokenizer, built and checked (`check_spelling`) once; GrammarError
+        (the same one every time) where it cannot serve output formats."""
         if self._tokenizer is None:
             import llguidance.hf
 
             if self.hf_tokenizer is None:
                 raise GrammarError("bad_response_format: output formats need the target's tokenizer")
-            self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=list(self.eos_ids) or None)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=list(self.eos_ids) or None)
+                check_spelling(self.hf_tokenizer, self._tokenizer)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                self._tokenizer = exc if isinstance(exc, GrammarError) else GrammarError(
+                    f"tokenizer: llguidance cannot read {tokenizer_file(self.hf_tokenizer)}: {exc}")
+                log.warning("rows with an output format will be error rows: %s", self._tokenizer)
+        if isinstance(self._tokenizer, GrammarError):
+            raise self._tokenizer
         return self._tokenizer
 
     def matcher(self, fmt: ResponseFormat):
-        """A new matcher for `fmt`, or GrammarError naming what is wrong with it."""
+        """A new matcher for `fmt`, or GrammarError naming what is wrong with it (or with the tokenizer)."""
         from llguidance import LLMatcher
 
         key = fmt.model_dump_json()
+        self.tokenizer()
         if key not in self._compiled:
             try:
                 m = LLMatcher(self.tokenizer(), grammar_text(fmt), log_level=0)
@@ -78,6 +96,39 @@ class Grammars:
         if isinstance(compiled, GrammarError):
             raise compiled
         return compiled.deep_copy()
+
+
+def tokenizer_file(hf_tokenizer) -> str:
+    """The file a transformers tokenizer was read from: its folder's tokenizer.json (or GGUF file), else its name."""
+    path = getattr(hf_tokenizer, "name_or_path", "") or "the target's tokenizer"
+    gguf = getattr(hf_tokenizer, "init_kwargs", {}).get("gguf_file")
+    if gguf:
+        return os.path.join(path, gguf)
+    file = os.path.join(path, "tokenizer.json")
+    return file if os.path.isfile(file) else path
+
+
+def check_spelling(hf_tokenizer, ll_tokenizer) -> None:
+    """Raise GrammarError ("tokenizer: ...", naming the tokenizer's file) if the bytes llguidance takes a text's
+    tokens to spell are not that text: a grammar would then mask by the wrong bytes (a tokenizer.json whose
+    decoder does not undo its pre-tokenizer: a byte-level BPE with a SentencePiece decoder finds no token that
+    spells a space). A pre-tokenizer's leading space is allowed."""
+    text = SPELLING_SAMPLE
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    spelled = ll_tokenizer.decode_bytes(ids)
+    if spelled in (text.encode(), b" " + text.encode()):
+        return
+    decoded = hf_tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    file = tokenizer_file(hf_tokenizer)
+    if decoded.strip() == text:
+        why = (f"llguidance reads the tokens of {text!r} as {spelled.decode(errors='replace')!r}, though transformers "
+               "decodes them right")
+    else:
+        why = f"it decodes its own tokens of {text!r} as {decoded!r}: its decoder does not undo its pre-tokenizer"
+    pre = json.loads(hf_tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    byte_level = "ByteLevel" in json.dumps(pre)
+    raise GrammarError(f"tokenizer: {file}: {why}, so no output format can be followed; fix the file's `decoder`"
+                       + (' (its ByteLevel pre-tokenizer needs {"type": "ByteLevel"})' if byte_level else ""))
 
 
 def _bits(bitmask: np.ndarray, vocab: int, device) -> torch.Tensor:

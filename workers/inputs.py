@@ -159,13 +159,19 @@ class Record:
     error: str | None = None  # why it cannot be generated ("reason: detail")
 
 
-def record_id(value, name: str, line: int) -> str:
-    """The row's id as a string, or `<file>:<line>` when it has no usable one."""
+def usable_id(value) -> str | None:
+    """An id value as a string (a non-empty string, or an integer), else None."""
     if isinstance(value, str) and value.strip():
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    return f"{name}:{line}"
+    return None
+
+
+def record_id(value, name: str, line: int) -> str:
+    """The row's id as a string, or `<file>:<line>` when it has no usable one."""
+    usable = usable_id(value)
+    return f"{name}:{line}" if usable is None else usable
 
 
 def _parse_line(raw: bytes, name: str, line: int, id_column: str) -> Record:

@@ -114,14 +114,20 @@ def _field(parsed: str | None, name: str, kind: pa.DataType):
     return (int(value) if kind == pa.int64() else float(value)) if ok else None
 
 
-def parquet_bytes(rows: list[dict], keep: list[str], parsed: dict[str, pa.DataType] | None = None) -> bytes:
-    """A part's Parquet bytes: the schema's columns, the kept input columns (types as pyarrow infers), then the
+def output_table(rows: list[dict], keep: list[str], parsed: dict[str, pa.DataType] | None = None) -> pa.Table:
+    """Output rows as a table: the schema's columns, the kept input columns (types as pyarrow infers), then the
     asked-for fields of `parsed` (name -> type: `parsed_types`)."""
     table = pa.Table.from_pylist([{k: _cell(k, r[k]) for k in SCHEMA.names} for r in rows], schema=SCHEMA)
     for name in keep:
         table = table.append_column(name, pa.array([r.get(name) for r in rows]))
     for name, kind in (parsed or {}).items():
         table = table.append_column(name, pa.array([_field(r["parsed"], name, kind) for r in rows], type=kind))
+    return table
+
+
+def parquet_bytes(rows: list[dict], keep: list[str], parsed: dict[str, pa.DataType] | None = None) -> bytes:
+    """A part's Parquet bytes: `output_table`'s."""
+    table = output_table(rows, keep, parsed)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()

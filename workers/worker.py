@@ -16,14 +16,14 @@ import sys
 import time
 
 from specdec.config import SampleResult, SamplingParams, SpecConfig
-from specdec.memory import out_of_memory
 
 from . import faults, logs
-from .fetch import localize
-from .inputs import Shard, read_shard, render_prompt
-from .outputs import commit_jsonl, output_row, parquet_bytes, parsed_types, part_entry
+from .fetch import localize, source_kind
+from .inputs import Shard, read_shard
+from .loading import Stages
+from .outputs import commit_jsonl, parquet_bytes, parsed_types, part_entry
 from .preflight import device_name
-from .requests import interpret, settings
+from .rows import free_memory, generate_fitting, generate_rows
 from .spec import WorkerSpec, models_used
 from .storage import open_storage
 
@@ -32,7 +32,8 @@ class GenerationWorker:
     """Runs in a Ray actor with two threads: `process` works on a shard while `progress` answers the driver's
     hang checks."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, stage_key: str | None = None):
+        """Load the pair and build the engine, telling the driver each stage under `stage_key` (workers/loading.py)."""
         import torch
 
         from specdec.engine import SpecEngine
@@ -40,11 +41,16 @@ class GenerationWorker:
 
         logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
+        stage = Stages(stage_key)
+        stage("starting")
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
         faults.install_engine_hooks()
         self.spec = spec
         used = models_used(spec.models, spec.speculation)
+        remote = [key for key, src in used.items() if source_kind(src.path) in ("pypi", "s3")]
+        if remote:
+            stage(f"fetching {' and '.join(remote)} (once per node)")
         target = localize(used["models.target.path"])
         tp, self.layout, batch_size = None, None, spec.resources.batch_size
         if target.tensor_parallel > 1:  # this actor is rank 0 of a group (workers/group.py)
@@ -53,15 +59,20 @@ class GenerationWorker:
 
             # every rank reads its slice of the safetensors files: a Hub id is downloaded here, once per node
             target = target.model_copy(update={"path": local_snapshot(target.path, key="models.target.path")})
+            stage(f"starting {target.tensor_parallel} tensor-parallel ranks")
             tp, self.layout = group.start(target, spec.resources)  # binds this rank's GPU before CUDA starts
             batch_size = group.batch_size_after_oom(batch_size)
         device = ("cuda" if tp is None else str(tp.group.device)) if spec.use_gpu and torch.cuda.is_available() \
             else "cpu"
-        self.pair = load_pair(target, localize(used.get("models.draft.path")), device, tp=tp)
+        draft = localize(used.get("models.draft.path"))
+        stage(f"loading the models on {device}")
+        self.pair = load_pair(target, draft, device, tp=tp)
         faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction)
+        if self.engine.needs_costs:
+            stage("measuring the pair's step costs (draft_length: goodput)")
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)
@@ -107,41 +118,13 @@ class GenerationWorker:
         inp = self.spec.input
         keep = self.spec.output.keep_columns
         records = read_shard(shard, inp.key_column, inp.columns(keep))
-        results: dict[int, list[SampleResult]] = {}  # per record: its samples (one error row if it cannot run)
-        prompts: dict[int, list[int]] = {}
-        params: dict[int, SamplingParams] = {}
-        warnings: dict[int, str] = {}
-        chat: dict[int, bool] = {}
-        for i, rec in enumerate(records):
-            if rec.error:
-                results[i] = [SampleResult.failed(rec.id, 0, rec.error)]
-                continue
-            try:  # a bad row is that row's error, never the job's
-                fields, view, overrides, unknown, chat[i] = interpret(rec.row, inp)
-                if unknown:
-                    warnings[i] = f"ignored request keys: {', '.join(unknown)}"
-                params[i] = settings(self.spec.generation, overrides)
-                prompts[i] = render_prompt(fields, self.tokenizer, view)
-            except ValueError as exc:
-                results[i] = [SampleResult.failed(rec.id, 0, str(exc))]
-        todo = list(prompts)
         with _group_guard():
             engine = self.control_engine() if shard.control else self.engine
-            samples = iter(self.generate(engine, [prompts[i] for i in todo], [records[i].id for i in todo],
-                                         [params[i] for i in todo]))
-            for i in todo:
-                results[i] = [next(samples) for _ in range(params[i].n)]
-                if all(r.error for r in results[i]):  # the prompt could not run: one error row, not n
-                    results[i] = results[i][:1]
+            rows, _ = generate_rows(records, inp, self.spec.generation, self.tokenizer,
+                                    lambda p, k, s: self.generate(engine, p, k, s), keep, shard.control)
         if faults.once("EXIT_ONCE"):  # test hook: die mid-shard, before committing
             os._exit(1)
         faults.gate("process")  # test hook: wait for a test to release or kill this process
-        rows = []
-        for i, rec in enumerate(records):
-            row = rec.row if rec.row is not None else {}
-            for r in results[i]:
-                rows.append({"id": rec.id, **output_row(r, self.tokenizer, params.get(i)), "warnings": warnings.get(i),
-                             "chat": chat.get(i), "control": shard.control, **{k: row.get(k) for k in keep}})
         data = parquet_bytes(rows, keep, parsed_types(self.spec.output.parsed_columns,
                                                       self.spec.generation.response_format))
         created = self.storage.put_if_absent(shard.part, data)
@@ -170,34 +153,8 @@ class GenerationWorker:
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],
                  params: list[SamplingParams]) -> list[SampleResult]:
-        """engine.generate; out of memory, the batch is retried with half as many rows at a time (the worker
-        keeps the smaller size), then the prompts in halves, and only a prompt that does not fit alone
-        fails, as an error row. In a tensor-parallel group, whose ranks are then out of step, the group restarts
-        and its worker comes back with half the batch size (workers/group.py)."""
-        try:
-            inject = faults.oom_rows()  # test hook: batches above N rows run out of memory
-            if inject and min(engine.batch_size, len(prompts)) > inject:
-                raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
-            return engine.generate(prompts, keys, truncate=self.spec.input.truncate, on_round=self._tick, params=params)
-        except Exception as exc:
-            from specdec.tp import GroupBroken
-
-            if isinstance(exc, GroupBroken) and out_of_memory(exc):  # the group restarts, its batches halved
-                from .group import note_oom
-
-                note_oom()
-            if isinstance(exc, GroupBroken) or not out_of_memory(exc):
-                raise
-        _free_memory()
-        if engine.batch_size > 1 and len(prompts) > 1:
-            engine.batch_size = max(1, min(engine.batch_size, len(prompts)) // 2)
-            return self.generate(engine, prompts, keys, params)
-        if len(prompts) > 1:
-            mid = len(prompts) // 2
-            return (self.generate(engine, prompts[:mid], keys[:mid], params[:mid])
-                    + self.generate(engine, prompts[mid:], keys[mid:], params[mid:]))
-        return [SampleResult.failed(keys[0], len(prompts[0]), "out_of_memory: the row does not fit alone", s)
-                for s in range(params[0].n)]
+        """engine.generate, in smaller batches where they run out of memory (workers/rows.py)."""
+        return generate_fitting(engine, prompts, keys, params, self.spec.input.truncate, self._tick, free_memory)
 
     def _peak_gpu_bytes(self) -> int | None:
         import torch
@@ -226,12 +183,3 @@ def _node_id() -> str | None:
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
-
-def _free_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

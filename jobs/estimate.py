@@ -31,11 +31,12 @@ def profile_job(spec, out_path: str) -> Profile:
     from specdec.engine import SpecEngine
     from specdec.models import load_pair
     from workers.fetch import localize
+    from workers.spec import models_used
     from workers.worker import device_name
 
-    draft = spec.models.draft if spec.speculation.method == "draft_model" else None
+    used = models_used(spec.models, spec.speculation)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pair = load_pair(localize(spec.models.target), localize(draft), device)
+    pair = load_pair(localize(used["models.target.path"]), localize(used.get("models.draft.path")), device)
     engine = SpecEngine(pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size)
     prof = profiler.measure(engine, every_width=True)
     prof.hardware = f"{device_name(engine.device)}, {next(pair.target.parameters()).dtype}"

@@ -32,16 +32,13 @@ from .cache import RaggedKVCache
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, pow2_at_least
 from .models import ModelPair
-from .policies import LengthPolicy, PolicyEnv, make_policy, policy_class
-from .proposers.base import Proposer
-from .proposers.draft_model import DraftModelProposer
-from .proposers.prompt_lookup import PromptLookupProposer
+from .choices import METHODS, POLICIES
+from .policies import LengthPolicy, NoDrafts, PolicyEnv
 from .grammar import Constraints, GrammarError, Grammars
 from .rounds import Request, Rounds
 from .runner import ModelRunner
 from .stops import StopStrings
 from .tp import TPRunner
-from .verify import make_rule
 from .widths import VerifyWidths
 
 
@@ -66,8 +63,9 @@ class SpecEngine:
                  profile: Profile | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        if spec.method == "draft_model" and pair.draft is None:
-            raise ValueError("speculation.method draft_model needs models.draft")
+        self.method = METHODS[spec.method]
+        if self.method.draft_model and pair.draft is None:
+            raise ValueError(f"speculation.method {spec.method} needs a pair with a draft model")
         self.pair = pair
         self.target = pair.target
         self.vocab_size = pair.vocab_size
@@ -78,9 +76,9 @@ class SpecEngine:
         self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
         self.stop_strings = StopStrings(pair.tokenizer)
         self.grammars = Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(self.stop_ids)))  # output formats
-        models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
-        self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
-        self.rule = make_rule(spec)
+        self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30)
+                                 for m in self._models().values())
+        self.rule = self.method.rule(spec)
         self.policy: LengthPolicy | None = None  # built on first need (goodput's after its costs are measured)
         self.clock = time.perf_counter  # what rounds are timed by (a test may drive a fake one)
         self.fast_path = fast_path
@@ -88,13 +86,13 @@ class SpecEngine:
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
-        self.graph_width = spec.max_draft_tokens + 1 if spec.method != "none" else 1
+        self.graph_width = self.method.max_draft(spec) + 1
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
         self.need: memory.Need | None = None  # what the memory plan counted for the last batch
         self.plan_check()
-        pad = spec.verify_padding and spec.method != "none"
+        pad = spec.verify_padding and self.method.drafts
         self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
-        self.needs_costs = policy_class(spec.draft_length).needs_costs and spec.method != "none"
+        self.needs_costs = POLICIES[spec.draft_length].needs_costs and self.method.drafts
         self.profile = profile  # measured costs (specdec/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it
 
@@ -105,7 +103,6 @@ class SpecEngine:
         once per engine: a job's worker pays it when it loads its models). generate() calls it."""
         if self.policy is not None:
             return self.policy
-        spec = self.spec if self.spec.method != "none" else self.spec.model_copy(update={"draft_length": "fixed"})
         env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens)
         if self.needs_costs:
             t0 = time.perf_counter()
@@ -113,14 +110,12 @@ class SpecEngine:
                 self.profile = profiler.measure(self)
                 self.profile_s = time.perf_counter() - t0
             env.costs = CostModel(self.profile, VerifyWidths.max_pad if self.widths else 0)
-        self.policy = make_policy(spec, env)
+        self.policy = POLICIES[self.spec.draft_length].build(self.spec, env) if self.method.drafts else NoDrafts(self.spec)
         return self.policy
 
     def _models(self) -> dict[str, torch.nn.Module]:
-        models = {"target": self.target}
-        if self.spec.method == "draft_model":
-            models["draft"] = self.pair.draft
-        return models
+        """The models the method runs, by role."""
+        return {"target": self.pair.target, **({"draft": self.pair.draft} if self.method.draft_model else {})}
 
     def output_head(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head of a model, the draft's cut to `draft_vocab` rows (SpecConfig.draft_vocab)."""
@@ -145,10 +140,9 @@ class SpecEngine:
             graphs = lean and (self.step_graphs if self.step_graphs is not None else self.device.type == "cuda")
             vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
-        top = self.spec.prompt_lookup.alignment_sampling
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
-                                 ModelRunner.min_kv_bucket, top=top + 1 if top and self.spec.method == "prompt_lookup"
-                                 else 0, additive_mask=self.device.type == "cuda")
+                                 ModelRunner.min_kv_bucket, top=self.method.prompt_top_ids(self.spec),
+                                 additive_mask=self.device.type == "cuda")
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
@@ -234,13 +228,8 @@ class SpecEngine:
     def new_batch(self, rows: int, max_len: int, policy: LengthPolicy) -> Batch:
         """An empty batch of `rows` slots of `max_len` tokens, with its proposer, and `policy`'s per-row state."""
         batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size, self.sampling)
-        if self.spec.method == "draft_model":
-            raw = self.rule.name == "fuzzy"  # FSD compares the models' raw distributions
-            batch.proposer = DraftModelProposer(batch, self.runner("draft", rows, max_len), policy, raw)
-        elif self.spec.method == "prompt_lookup":
-            batch.proposer = PromptLookupProposer(batch, self.spec.prompt_lookup)
-        else:
-            batch.proposer = Proposer(batch)  # method none: never drafts
+        draft = self.runner("draft", rows, max_len) if self.method.draft_model else None
+        batch.proposer = self.method.proposer(batch, self.spec, policy, self.rule, draft)
         policy.attach(batch.slots)
         return batch
 

@@ -45,8 +45,8 @@ def measure(engine: SpecEngine, context: int = 64, samples: int = 2, every_width
     loop = Rounds(engine, batch, policy, [Request(p, i, 0, engine.sampling, i) for i, p in enumerate(prompts)],
                   [None] * cap)
     loop.admit(list(range(cap)))
-    drafting = engine.spec.method == "draft_model"
-    trees = engine.spec.prompt_lookup.alignment_sampling if engine.spec.method == "prompt_lookup" else 0
+    drafting = engine.method.draft_model
+    trees = engine.method.siblings(engine.spec)
     hardware = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     profile = Profile(hardware=f"{hardware}, {next(engine.target.parameters()).dtype}")
 

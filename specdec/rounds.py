@@ -63,7 +63,7 @@ class Rounds:
         self.e, self.b, self.policy = engine, batch, policy
         self.requests, self.results = requests, results
         self.on_round = on_round
-        self.m = engine.spec.max_draft_tokens if engine.spec.method != "none" else 0
+        self.m = engine.method.max_draft(engine.spec)
         self.random = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw uniforms
         self.coupled = self.random and engine.spec.sampling == "coupled"  # ... or Gumbel noise by position
         self.top = max((r.sp.top_logprobs for r in requests if r.sp.logprobs), default=-1)  # -1: no logprobs
@@ -97,8 +97,8 @@ class Rounds:
         self.waiting, self.joined = waiting, self.joined + len(order)
         view = self.view(end)
         drafting = self.policy.drafts_soon(view)
-        wide = drafting and b.proposer.prefill_top and self.policy.widens_soon(view)
-        top = b.prefill_target(start, mid, b.proposer.prefill_top if wide else 0)
+        wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
+        top = b.prefill_target(start, mid, b.proposer.prompt_top_ids if wide else 0)
         b.proposer.admit(start, mid, top, drafting=drafting)
         for slot in range(mid, end):
             b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)

@@ -155,7 +155,6 @@ def coupled(logits: torch.Tensor, rows: Rows, noise: torch.Tensor) -> torch.Tens
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments
 _U32 = 0xFFFFFFFF
-NOISE_VERSION = 2  # coupled sampling's noise: 2 = `gumbel` below (1: numpy's Philox-4x64 on the host, by position)
 
 
 def _pass_blocks(device: torch.device) -> int:

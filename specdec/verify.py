@@ -8,7 +8,7 @@ Terms (Leviathan et al. 2023; Chen et al. 2023), per row:
 Each round emits accepted + 1 tokens. Greedy accepts while x_i == argmax p_i.
 A deterministic proposer (prompt lookup) gives no q: q is a point mass on x_i.
 
-A rule is an object the engine picks once (`make_rule`) and calls every round with the target's logits
+A rule is an object the engine picks once (the method's, specdec/choices.py) and calls every round with the target's logits
 over [pending, draft] and the draft: `ChainRule` (the lossless rule for a draft model), `FuzzyRule`
 (FSD: close distributions pass outright), `TreeRule` (lossless, for token trees and prompt lookup's
 chains), `ConditionalRule` (AASD: likely prompt tokens pass). Each row is verified by its own sampling
@@ -26,7 +26,6 @@ from . import sampling, trees
 from .sampling import Rows
 
 if TYPE_CHECKING:
-    from .config import SpecConfig
     from .proposers.base import Draft
 
 
@@ -130,6 +129,7 @@ def fuzzy_pass(target_logits: torch.Tensor, raw_q: torch.Tensor, kind: str, thre
 
 class Rule:
     name = "lossless"  # what a row's `verification` column says
+    reads_raw_q = False  # reads the draft's raw distributions (`Draft.raw_q`): the drafter keeps them
 
     def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, u: torch.Tensor | None,
                  best: torch.Tensor | None = None) -> Verdict:
@@ -165,6 +165,7 @@ class FuzzyRule(ChainRule):
     threshold; elsewhere the lossless rule decides."""
 
     name = "fuzzy"
+    reads_raw_q = True
 
     def __init__(self, divergence: str, threshold: float):
         self.divergence, self.threshold = divergence, threshold
@@ -196,12 +197,3 @@ class ConditionalRule(TreeRule):
 
     def __init__(self, alpha: float, beta: float):
         self.conditional = (alpha, beta)
-
-
-def make_rule(spec: SpecConfig) -> Rule:
-    """The rule of an engine: prompt lookup's drafts are trees (chains included), a draft model's chains."""
-    if spec.method == "prompt_lookup":
-        c = spec.conditional_rule
-        return ConditionalRule(*c) if c is not None else TreeRule()
-    f = spec.fuzzy_rule
-    return FuzzyRule(f.divergence, f.threshold) if f is not None else ChainRule()

@@ -16,7 +16,7 @@ the price of a host sync per draft step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ class PolicyEnv:
     """What the engine gives the policies it builds."""
 
     device: torch.device | str = "cpu"
-    costs: CostModel | None = None  # measured costs, for a policy that `needs_costs`
+    costs: CostModel | None = None  # measured costs, for a policy that plans from them (`Policy.needs_costs`)
     row_tokens: int = 0  # the tokens a row emits unless it stops early: max_new_tokens
 
 
@@ -73,7 +73,6 @@ class DraftStopper:
 
 
 class LengthPolicy:
-    needs_costs: ClassVar[bool] = False  # built with the engine's cost model (`SpecEngine.measure_costs`)
     stopper: DraftStopper | None = None
     siblings: int | None = None  # a token tree's most siblings per node in the planned round (None: as configured)
 

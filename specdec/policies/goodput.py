@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..choices import METHODS
 from ..costmodel import CostModel, best_length, bucket, chain_tokens, keep_last
 from .base import BatchView, LengthPolicy, RoundResult
 
@@ -50,7 +51,6 @@ class _Probe:
 
 
 class GoodputLength(LengthPolicy):
-    needs_costs = True
     row_weight = 64.0  # tested tokens the pair's rate is worth in a row's estimate
     optimism = 1.0
     refresh = 24
@@ -75,7 +75,7 @@ class GoodputLength(LengthPolicy):
         self.last: int | None = None  # the K of the last round
         self.probe: _Probe | None = None
         # token trees (prompt lookup with alignment sampling): 0..s siblings per node, chosen with K
-        most = spec.prompt_lookup.alignment_sampling if spec.method == "prompt_lookup" else 0
+        most = METHODS[spec.method].siblings(spec)
         self.widths = list(range(most + 1))
         # s -> per depth 1..top: rows that tested it, that passed it, in rounds of s siblings per node
         self.levels = np.zeros((len(self.widths), 2, spec.max_draft_tokens))

@@ -51,14 +51,14 @@ class Draft:
 class Proposer:
     """Drafts tokens for the active rows [0, n) of a batch; the base class never drafts (method none)."""
 
-    prefill_top = 0  # the target's top ids the proposer wants at every prompt position (0: none)
+    prompt_top_ids = 0  # the target's most likely ids the proposer wants at every prompt position (0: none)
 
     def __init__(self, batch: Batch):
         self.batch = batch
 
     def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
         """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
-        prefill_top]: the target's top ids at each prompt position, from its prefill; `drafting`: whether
+        prompt_top_ids]: the target's most likely ids at each prompt position, from its prefill; `drafting`: whether
         the next round drafts (if not, a drafter may defer work for these rows)."""
 
     def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:

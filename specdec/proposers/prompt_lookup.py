@@ -59,10 +59,10 @@ class NgramPool:
 
 
 class PromptLookupProposer(Proposer):
-    def __init__(self, batch: Batch, cfg: PromptLookupConfig):
+    def __init__(self, batch: Batch, cfg: PromptLookupConfig, prompt_top_ids: int = 0):
         super().__init__(batch)
         self.cfg = cfg
-        self.prefill_top = cfg.alignment_sampling + 1 if cfg.alignment_sampling else 0
+        self.prompt_top_ids = prompt_top_ids
         self.pools: list[NgramPool | None] = [None] * batch.capacity
         self.prompt_len = [0] * batch.capacity
         self.top: list[np.ndarray | None] = [None] * batch.capacity  # [prompt_len - 1, s + 1] target top ids

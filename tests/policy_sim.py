@@ -7,7 +7,7 @@ from specdec.config import SpecConfig
 from specdec.costmodel import CostModel, Profile
 from specdec.policies import BatchView, PolicyEnv, RoundResult
 from specdec.policies.goodput import GoodputLength
-from specdec.slots import Slots
+from specdec.batch import Slots
 
 
 def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:

@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from ..config import SpecConfig
     from ..costmodel import CostModel
-    from ..slots import Slots
+    from ..batch import Slots
 
 
 @dataclass
@@ -53,10 +53,15 @@ class RoundResult:
     finished: np.ndarray  # [n] bool: rows that leave the batch after this round
     seconds: float | None  # the round's time from plan to read-back; None: no sample of its length's cost
     depth: np.ndarray | None = None  # [n] a token tree's depth per row (None: chains, whose depth is `drafted`)
+    width: int | None = None  # tokens per row its target forward verified (None: the most drafted + 1)
 
     @property
     def depths(self) -> np.ndarray:
         return self.drafted if self.depth is None else self.depth
+
+    @property
+    def verify_width(self) -> int:
+        return self.width if self.width is not None else int(self.drafted.max(initial=0)) + 1
 
 
 class DraftStopper:

@@ -144,9 +144,8 @@ _U32 = 0xFFFFFFFF
 
 
 def _pass_blocks(device: torch.device) -> int:
-    """Philox blocks `gumbel` draws per pass: on a CPU 2^15 a thread (cache-sized: the fastest of 2^15..2^21 at 1,
-    4 and 16 threads on a 16-core host), elsewhere 2^22 (it bounds a pass's memory: 0.8 GiB at the peak, the
-    output included, at batch 64, width 9 and a 128k vocabulary on an H100)."""
+    """Philox blocks `gumbel` draws per pass: on a CPU 2^15 a thread (cache-sized), elsewhere 2^22 (it bounds a
+    pass's memory); bench/results/README.md has the timings that chose them."""
     return (1 << 15) * torch.get_num_threads() if device.type == "cpu" else 1 << 22
 
 

@@ -43,7 +43,7 @@ def simulate(n: int, s: int, rounds: int, cached: bool = True, seed: int = 0) ->
     """CPU seconds per round of plan + observe over `rounds` simulated rounds at n rows with s siblings."""
     profile = cpu_like_profile()
     spec = SpecConfig(method="prompt_lookup", max_draft_tokens=TOP, prompt_lookup={"alignment_sampling": s})
-    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64))
+    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64, siblings=s))
     if not cached:
         pol.costs._base = Forgetful()
     slots = Slots(n, "cpu")

@@ -107,7 +107,8 @@ class SpecEngine:
         once per engine: a job's worker pays it when it loads its models). generate() calls it."""
         if self.policy is not None:
             return self.policy
-        env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens)
+        env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens,
+                        siblings=self.method.siblings(self.spec))
         if self.needs_costs:
             if self.profile is None:
                 t0 = time.perf_counter()

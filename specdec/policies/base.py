@@ -34,6 +34,7 @@ class PolicyEnv:
     device: torch.device | str = "cpu"
     costs: CostModel | None = None  # measured costs, for a policy that plans from them (`Policy.needs_costs`)
     row_tokens: int = 0  # the tokens a row emits unless it stops early: max_new_tokens
+    siblings: int = 0  # the most siblings per node of the method's token trees (0: chains)
 
 
 @dataclass

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..choices import METHODS
 from ..costmodel import CostModel, best_length, bucket, chain_tokens, keep_last
 from .base import BatchView, LengthPolicy, RoundResult
 
@@ -65,7 +64,7 @@ class GoodputLength(LengthPolicy):
         self.last: int | None = None  # the K of the last round
         self.probe: _Probe | None = None
         # token trees (prompt lookup with alignment sampling): 0..s siblings per node, chosen with K
-        most = METHODS[spec.method].siblings(spec)
+        most = env.siblings
         self.sibling_choices = list(range(most + 1))
         # s -> per depth 1..max_k: rows that tested it, that passed it, in rounds of s siblings per node
         self.levels = np.zeros((len(self.sibling_choices), 2, spec.max_draft_tokens))

@@ -20,7 +20,7 @@ from specdec.config import SpecConfig
 from specdec.costmodel import CostModel, Profile
 from specdec.policies import BatchView, PolicyEnv, RoundResult
 from specdec.policies.goodput import GoodputLength
-from specdec.slots import Slots
+from specdec.batch import Slots
 
 TOP = 8
 
@@ -43,7 +43,7 @@ def simulate(n: int, s: int, rounds: int, cached: bool = True, seed: int = 0) ->
     """CPU seconds per round of plan + observe over `rounds` simulated rounds at n rows with s siblings."""
     profile = cpu_like_profile()
     spec = SpecConfig(method="prompt_lookup", max_draft_tokens=TOP, prompt_lookup={"alignment_sampling": s})
-    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64))
+    pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64, siblings=s))
     if not cached:
         pol.costs._base = Forgetful()
     slots = Slots(n, "cpu")
@@ -58,7 +58,7 @@ def simulate(n: int, s: int, rounds: int, cached: bool = True, seed: int = 0) ->
         sib = pol.siblings or 0
         nodes = np.full(n, k * (1 + sib // 2) if k else 0)
         accepted = np.cumprod(gen.random((n, max(k, 1))) < 0.6, axis=1)[:, :k].sum(1)
-        seconds = profile.round(n, k, 0, int(nodes.max()) + 1) if k else profile.round(n, 0)
+        seconds = profile.round(n, k, int(nodes.max()) + 1) if k else profile.round(n, 0)
         result = RoundResult(n, nodes, accepted, np.zeros(n, dtype=bool), seconds,
                              depth=np.full(n, k) if s else None)
         t0 = time.thread_time()

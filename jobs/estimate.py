@@ -27,17 +27,17 @@ def profile_job(spec, out_path: str) -> Profile:
 
     import torch
 
-    from specdec import profiler
     from specdec.engine import SpecEngine
     from specdec.models import load_pair
     from workers.fetch import localize
+    from workers.spec import models_used
     from workers.worker import device_name
 
-    draft = spec.models.draft if spec.speculation.method == "draft_model" else None
+    used = models_used(spec.models, spec.speculation)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    pair = load_pair(localize(spec.models.target), localize(draft), device)
+    pair = load_pair(localize(used["models.target.path"]), localize(used.get("models.draft.path")), device)
     engine = SpecEngine(pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size)
-    prof = profiler.measure(engine, every_width=True)
+    prof = engine.measure_profile(every_width=True)
     prof.hardware = f"{device_name(engine.device)}, {next(pair.target.parameters()).dtype}"
     # prefill per prompt token: one row of 256 tokens, beyond a prefill call's fixed cost
     tokens = torch.randint(0, pair.vocab_size, (1, 256), device=engine.device)

@@ -21,7 +21,7 @@ from workers.inputs import Shard
 from workers.outputs import COUNTS, OPENAI_DIR, part_entry
 from workers.storage import open_storage
 
-from .spec import JobSpec, changed_keys
+from .spec import JobSpec, changed_keys, recorded_spec
 
 MANIFEST, SUCCESS = "_manifest.json", "_SUCCESS"
 
@@ -69,6 +69,13 @@ def input_changes(old: list, new: list[dict]) -> list[str]:
     return out
 
 
+def _same_rows(old: dict, spec: JobSpec) -> bool:
+    """Whether an output's recorded config and code versions give this job's fingerprint under today's rules (a
+    manifest written before a rule left a setting out of the fingerprint)."""
+    before = recorded_spec(old)
+    return before is not None and before.fingerprint(old.get("versions", {})) == spec.fingerprint()
+
+
 def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, files: list[dict],
                    overwrite: bool) -> dict:
     """The manifest for this run: refuses an output holding a different job, or made of other input files (size,
@@ -79,8 +86,10 @@ def prepare_output(spec: JobSpec, storage, shards: list[Shard], total: int, file
         old = json.loads(raw)
         if overwrite:
             _clear(storage)
-        elif old.get("fingerprint") != spec.fingerprint():
-            changed = changed_keys(old.get("spec", {}), spec.model_dump(mode="json"))
+        elif old.get("fingerprint") != spec.fingerprint() and not _same_rows(old, spec):
+            before = recorded_spec(old)
+            changed = changed_keys(old.get("spec", {}) if before is None else before.output_settings(),
+                                   spec.output_settings())
             before = old.get("versions", {})
             changed += [f"{k} version {before.get(k, 'unrecorded')} -> {v}" for k, v in spec.versions().items()
                         if before.get(k) != v]

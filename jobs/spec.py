@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, model_validator
 
+from specdec.choices import COUPLED_NOISE_VERSION, METHODS
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
-from specdec.sampling import NOISE_VERSION
 from workers.inputs import InputSpec
 from workers.outputs import OutputSpec
 from workers.spec import NEUTRAL, ResourcesSpec, WorkerSpec
@@ -92,8 +92,8 @@ class JobSpec(Config):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.speculation.method == "draft_model" and self.models.draft is None:
-            raise ValueError("speculation.method draft_model needs models.draft")
+        if METHODS[self.speculation.method].draft_model and self.models.draft is None:
+            raise ValueError(f"speculation.method {self.speculation.method} needs models.draft")
         if not self.input.prompt_column and not self.input.messages_column:
             raise ValueError("input needs prompt_column or messages_column")
         return self
@@ -107,15 +107,17 @@ class JobSpec(Config):
 
     def versions(self) -> dict[str, int]:
         """The versions of the code this job's output rows depend on beyond its config: coupled sampling's noise
-        (`specdec.sampling.NOISE_VERSION`), whose values a new version changes. In the fingerprint and the manifest,
-        so that a resume never mixes rows drawn with two versions."""
-        return {"coupled_noise": NOISE_VERSION} if self.speculation.sampling == "coupled" else {}
+        (`specdec.choices.COUPLED_NOISE_VERSION`), whose values a new version changes. In the fingerprint and the
+        manifest, so that a resume never mixes rows drawn with two versions."""
+        return {"coupled_noise": COUPLED_NOISE_VERSION} if self.speculation.sampling == "coupled" else {}
 
-    def fingerprint(self) -> str:
-        """Hash of everything that changes output rows (not the OUTPUT_NEUTRAL keys), `versions` included."""
+    def output_settings(self) -> dict:
+        """The dumped config as far as it decides output rows: without the OUTPUT_NEUTRAL keys, and with the
+        speculation settings that its method and policy never read (`SpecConfig.ignored`) at their defaults."""
         data = self.model_dump(mode="json")
-        if self.versions():  # a job without one keeps the fingerprint it had before versions were recorded
-            data["versions"] = self.versions()
+        defaults = SpecConfig().model_dump(mode="json")
+        for key in self.speculation.ignored():
+            data["speculation"][key] = defaults[key]
         for key in OUTPUT_NEUTRAL:
             *path, last = key.split(".")
             node = data
@@ -123,7 +125,23 @@ class JobSpec(Config):
                 node = node.get(k) if isinstance(node, dict) else None
             if isinstance(node, dict):
                 node.pop(last, None)
+        return data
+
+    def fingerprint(self, versions: dict[str, int] | None = None) -> str:
+        """Hash of `output_settings` and the code's `versions` (another run's, where given)."""
+        data = self.output_settings()
+        versions = self.versions() if versions is None else versions
+        if versions:  # a job without one keeps the fingerprint it had before versions were recorded
+            data["versions"] = versions
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def recorded_spec(manifest: dict) -> JobSpec | None:
+    """The config an output's manifest records, read under today's rules (None where it no longer validates)."""
+    try:
+        return JobSpec.model_validate(manifest.get("spec", {}))
+    except ValidationError:
+        return None
 
 
 def _edit(tree: dict, keys: tuple[str, ...], fn) -> dict:

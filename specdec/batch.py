@@ -1,28 +1,90 @@
-"""The state of a batch's active rows, and moving host arrays to the device without waiting.
+"""A batch's active rows, everything that belongs to each of them, and what the target reads of them in a round.
 
-Rows [0, n) are active: their tokens live in one device buffer (`seq`), their lengths on the host
-(`lens`: the host knows them, so no forward reads them back), their per-row records in `rows`. A
-finished row leaves by swap-remove (`move_row`): the last active row moves into its slot, with its
-cache rows, its proposer state and everything registered in `slots`.
+Rows [0, n) are active: their tokens live in one device buffer (`seq`), their lengths on the host (`lens`: the
+host knows them, so no forward reads them back), their records in `rows`. Whatever else belongs to a row (its
+sampling settings, its rows of each model's KV cache, a proposer's n-gram pool, a policy's estimate of it, its
+output format's matcher) is registered once in the batch's `Slots`, which keeps it with its row: a finished row
+leaves by swap-remove (the last active row moves into its slot, `move_row`), a sample of a prompt already
+admitted starts as a copy of the row holding it (`copy_row`), and new rows start at each entry's fill value.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from . import trees
 from .config import SampleResult, SamplingParams
-from .sampling import RowSettings
-from .slots import Slots
+from .sampling import Rows
 
 if TYPE_CHECKING:
     from .grammar import Constraints
-    from .proposers.base import Proposer
+    from .proposers.base import Draft, Proposer
     from .runner import ModelRunner
     from .tp import TPRunner
+    from .verify import Verdict
+
+
+class Slots:
+    """Per-row state of a batch, kept aligned with its rows: device tensors (`add`), host arrays (`add_host`:
+    what the host learns from each round's one read-back), Python objects (`add_objects`) and the rows of KV
+    caches (`add_cache`)."""
+
+    def __init__(self, capacity: int, device):
+        self.capacity = capacity
+        self.device = device
+        self._values: list[tuple[torch.Tensor | np.ndarray, object]] = []  # (per-row values, fill)
+        self._objects: list[tuple[list, Callable[[object, object], object]]] = []  # (per-row objects, copy)
+        self._caches: list[tuple[object, np.ndarray]] = []  # (a KV cache, each row's length in it)
+
+    def add(self, name: str, dtype=torch.int64, fill=0, trailing: tuple[int, ...] = ()) -> torch.Tensor:
+        t = torch.full((self.capacity, *trailing), fill, dtype=dtype, device=self.device)
+        self._values.append((t, fill))
+        return t
+
+    def add_host(self, name: str, dtype=np.int64, fill=0) -> np.ndarray:
+        a = np.full(self.capacity, fill, dtype=dtype)
+        self._values.append((a, fill))
+        return a
+
+    def add_objects(self, name: str, copy: Callable[[object, object], object] = lambda src, dst: src) -> list:
+        """Per-row objects (None for a new row); a copied row takes copy(the source's, its own)."""
+        objects: list = [None] * self.capacity
+        self._objects.append((objects, copy))
+        return objects
+
+    def add_cache(self, cache, length: np.ndarray) -> None:
+        """A KV cache's rows (`move_row(src, dst, slots)`): a row moves with its first length[row] slots."""
+        self._caches.append((cache, length))
+
+    def admit(self, start: int, end: int) -> None:
+        """Rows [start, end) are new: every entry starts at its fill value."""
+        for values, fill in self._values:
+            values[start:end] = fill
+        for objects, _ in self._objects:
+            objects[start:end] = [None] * (end - start)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src now lives at dst."""
+        self._carry(src, dst, lambda a, b: a)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Row dst starts as row src is now (a sample of the same prompt: its prefill shared)."""
+        self._carry(src, dst, None)
+
+    def _carry(self, src: int, dst: int, copy) -> None:
+        if src == dst:
+            return
+        for cache, length in self._caches:
+            cache.move_row(src, dst, int(length[src]))
+        for values, _ in self._values:
+            values[dst] = values[src]
+        for objects, copy_object in self._objects:
+            objects[dst] = (copy or copy_object)(objects[src], objects[dst])
 
 
 @dataclass
@@ -41,6 +103,48 @@ class Row:
         return r.finish_reason in ("stop", "error") or r.generated_tokens >= self.sp.max_new_tokens
 
 
+class RowSettings:
+    """Each row's sampling settings, in the batch's slots; `view(n)` gives those of rows [0, n) as `Rows`."""
+
+    def __init__(self, slots: Slots):
+        self.temperature = slots.add("sp_temperature", torch.float32, 1.0)
+        self.top_k = slots.add("sp_top_k")
+        self.top_p = slots.add("sp_top_p", torch.float32, 1.0)
+        self.greedy_rows = slots.add("sp_greedy", torch.bool, True)
+        self.host = {name: slots.add_host(f"sp_{name}", dtype, fill) for name, dtype, fill in
+                     (("greedy", bool, True), ("top_k", np.int64, 0), ("top_p", np.float64, 1.0))}
+
+    def set(self, slot: int, sp: SamplingParams) -> None:
+        self.temperature[slot] = 1.0 if sp.greedy else sp.temperature
+        self.top_k[slot] = 0 if sp.greedy else sp.top_k
+        self.top_p[slot] = 1.0 if sp.greedy else sp.top_p
+        self.greedy_rows[slot] = sp.greedy
+        self.host["greedy"][slot] = sp.greedy
+        self.host["top_k"][slot] = 0 if sp.greedy else sp.top_k
+        self.host["top_p"][slot] = 1.0 if sp.greedy else sp.top_p
+
+    def view(self, n: int) -> Rows:
+        g = self.host["greedy"][:n]
+        return Rows(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy_rows[:n], bool(g.all()),
+                    bool(g.any()), bool((self.host["top_k"][:n] > 0).any()), bool((self.host["top_p"][:n] < 1).any()))
+
+
+@dataclass
+class TargetInputs:
+    """What the target reads in a round's forward: each row's `lag` tokens it has not read yet (the pending
+    token, and those a grammar forced since), then the draft (a chain padded with junk to the round's width, or a
+    token tree)."""
+
+    tokens: torch.Tensor  # [n, lag + width - 1] (a tree's: [n, lag + T])
+    positions: torch.Tensor  # [n, same]
+    kv_len: int  # cache slots the forward attends over (host)
+    lag: int  # host: the most tokens a row's target cache lacks (1 but after jump-forward)
+    lens: np.ndarray  # [n] host: the rows' lengths before the round
+    base: torch.Tensor  # [n] the pending token's slot
+    slots: torch.Tensor | None = None  # [n, same] a tree's cache slots
+    mask: torch.Tensor | None = None  # [n, 1, same, kv_len] a tree's attention mask
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device without waiting for it: a pinned staging copy, sent asynchronously."""
     t = torch.from_numpy(np.ascontiguousarray(array))
@@ -57,30 +161,29 @@ def sync(device: torch.device) -> None:
 class Batch:
     """The active rows [0, n): token buffer, lengths (on the host), per-row records and settings."""
 
-    proposer: Proposer  # set by the engine once the batch exists (a proposer keeps per-row state of it)
+    proposer: Proposer  # set once the batch exists (a proposer keeps per-row state of it)
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
-    noise: torch.Tensor | None = None  # coupled sampling: this round's Gumbel noise [n, width, vocab] by position
 
-    def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int,
-                 sampling: SamplingParams):
+    def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int):
         self.target = target
         self.device = target.device
         self.vocab_size = vocab_size  # the target's: logits past it are dropped, draft distributions padded to it
         self.capacity = capacity
         self.max_len = max_len
-        self.seq = torch.zeros((capacity, max_len), dtype=torch.int64, device=self.device)
         self.slots = Slots(capacity, self.device)
+        self.seq = self.slots.add("tokens", trailing=(max_len,))  # [capacity, max_len] prompt + emitted
         self.lens = self.slots.add_host("seq_len")  # tokens per row (prompt + emitted), known on the host
         self.cached = self.slots.add_host("target_len")  # of them in the target's cache: lens - 1 but after jump-forward
-        self.sp = RowSettings(self.slots, sampling)  # each row's sampling settings (`sp.view(n)`)
-        self.rows: list[Row | None] = [None] * capacity
+        self.slots.add_cache(target.cache, self.cached)
+        self.sp = RowSettings(self.slots)  # each row's sampling settings (`sp.view(n)`)
+        self.rows: list[Row | None] = self.slots.add_objects("row", lambda src, dst: dst)  # a copy keeps its own
         self.n = 0
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
 
     def write_rows(self, start: int, rows: list[Row]) -> None:
-        """Rows [start, start + len(rows)) are new and hold these rows' tokens (one copy to the device)."""
+        """Rows [start, start + len(rows)) are new, active, and hold these rows' tokens (one copy to the device)."""
         end, t = start + len(rows), max(len(r.tokens) for r in rows)
         self.slots.admit(start, end)
         tokens = np.zeros((len(rows), t), dtype=np.int64)
@@ -90,6 +193,7 @@ class Batch:
             self.sp.set(slot, row.sp)
         self.seq[start:end, :t] = self.to_device(tokens)
         self.lens[start:end] = [len(r.tokens) for r in rows]
+        self.n = end
 
     def prefill(self, runner: ModelRunner, start: int, end: int) -> np.ndarray:
         """Cache all but the pending token of rows [start, end); returns their cached lengths."""
@@ -99,14 +203,14 @@ class Batch:
             runner.prefill(self.seq[start:end, :t], start, end)
         return lengths
 
-    def prefill_target(self, start: int, end: int, top: int = 0) -> np.ndarray | None:
-        """The target's prefill of rows [start, end); with `top` > 0, its top ids at every cached position
-        [rows, t, top] on the host (read back once per admission, not per round)."""
+    def prefill_target(self, start: int, end: int, top_ids: int = 0) -> np.ndarray | None:
+        """The target's prefill of rows [start, end); with `top_ids` > 0, its most likely ids at every cached
+        position [rows, t, top_ids] on the host (read back once per admission, not per round)."""
         t = int(self.lens[start:end].max()) - 1
         if t <= 0:
-            return np.zeros((end - start, 0, top), dtype=np.int64) if top else None
-        lengths = self.to_device(self.lens[start:end] - 1) if top else None
-        ids = self.target.prefill(self.seq[start:end, :t], start, end, top, lengths)
+            return np.zeros((end - start, 0, top_ids), dtype=np.int64) if top_ids else None
+        lengths = self.to_device(self.lens[start:end] - 1) if top_ids else None
+        ids = self.target.prefill(self.seq[start:end, :t], start, end, top_ids, lengths)
         self.cached[start:end] = self.lens[start:end] - 1
         return None if ids is None else ids.cpu().numpy()
 
@@ -122,20 +226,58 @@ class Batch:
         for slot, t in tokens.items():
             self.lens[slot] += len(t)
 
+    def target_inputs(self, n: int, draft: Draft, width: int) -> TargetInputs:
+        """The target's inputs for verifying `draft` over rows [0, n): a chain padded to `width` >= k + 1 tokens
+        per row, or a token tree (node j at slot base + j, position base + its depth, seeing its ancestors)."""
+        dev, k = self.device, draft.tokens.shape[1]
+        lens = self.lens[:n].copy()
+        lag = int((lens - self.cached[:n]).max())
+        base = self.to_device(lens) - 1
+        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
+        tokens = torch.cat([self.seq[:n].gather(1, behind), draft.tokens], dim=1)  # [n, lag + k]
+        kv_len = int(lens.max()) - 1 + width
+        if draft.tree is None:
+            positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
+            return TargetInputs(torch.nn.functional.pad(tokens, (0, width - k - 1)), positions, kv_len, lag, lens, base)
+        t = draft.tree
+        positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
+        return TargetInputs(tokens, positions, kv_len, lag, lens, base, slots, mask)
+
+    def accept(self, n: int, inputs: TargetInputs, verdict: Verdict, draft: Draft) -> torch.Tensor:
+        """Rows [0, n) take their accepted tokens and the rule's next token into `seq` (a tree's accepted path's
+        keys and values moved into place first); returns them, [n, w]: x_1..x_a, y (stale past a + 1)."""
+        dev, base = self.device, inputs.base
+        new = draft.tokens
+        if verdict.path is not None:
+            ar = torch.arange(1, verdict.path.shape[1] + 1, device=dev)[None, :]
+            self.target.cache.move_slots(base[:, None] + verdict.path, base[:, None] + ar)
+            new = draft.tokens.gather(1, (verdict.path - 1).clamp(min=0))
+        new = torch.cat([new, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
+        new.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
+        write = (base[:, None] + 1 + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=self.max_len - 1)
+        self.seq[:n].scatter_(1, write, new)
+        return new
+
+    def grow(self, n: int, lens: np.ndarray, accepted: np.ndarray) -> None:
+        """Rows [0, n), `lens` long before the round, accepted `accepted` drafted tokens and one more (host)."""
+        self.lens[:n] = lens + accepted + 1
+        self.cached[:n] = self.lens[:n] - 1
+
+    def rewind(self, n: int, length: int) -> None:
+        """Rows [0, n) cut back to `length` tokens (synthetic rows, start-up profile): their caches forget what
+        lies past it."""
+        self.lens[:n] = length
+        self.cached[:n] = length - 1
+        self.proposer.rewind(n)
+
     def copy_row(self, src: int, dst: int) -> None:
         """Row dst, just admitted with row src's prompt, takes src's caches instead of a prefill of its own."""
-        self.target.cache.move_row(src, dst, int(self.cached[src]))
-        self.proposer.copy_row(src, dst)
-        self.slots.move(src, dst)
+        self.slots.copy(src, dst)
 
-    def move_row(self, src: int, dst: int) -> None:
-        if src == dst:
-            return
-        length = int(self.lens[src])
-        self.target.cache.move_row(src, dst, length)
-        self.proposer.move_row(src, dst)
-        self.seq[dst, :length] = self.seq[src, :length]
-        self.slots.move(src, dst)
-        if self.constraints is not None:
-            self.constraints.move(src, dst)
-        self.rows[dst] = self.rows[src]
+    def remove(self, slot: int) -> Row:
+        """Row `slot` leaves (swap-remove: the last active row moves into its place); returns its record."""
+        row, last = self.rows[slot], self.n - 1
+        self.slots.move(last, slot)
+        self.rows[last] = None
+        self.n = last
+        return row

@@ -62,7 +62,8 @@ def teacher_forced(pair, prompts: list[list[int]], answers: list[list[int]], sp:
         if sp.greedy:
             accepts.append((lp.argmax(-1) == lq.argmax(-1)).float())
         else:
-            accepts.append(torch.minimum(sampling.probs(lp, sp), sampling.probs(lq, sp)).sum(-1))
+            rows = sampling.Rows.of(sp, lp.device)
+            accepts.append(torch.minimum(sampling.probs(lp, rows), sampling.probs(lq, rows)).sum(-1))
         lls.append(torch.log_softmax(lp, -1).gather(1, torch.tensor(out, device=pair.device)[:, None])[:, 0])
     return tuple(torch.cat(x).double().cpu().numpy() for x in (divs, accepts, lls))
 

@@ -15,10 +15,10 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from . import policies
+from .choices import METHODS, POLICIES, describe, ignored_settings
 
-Method = Literal["none", "draft_model", "prompt_lookup"]
-DraftLength = Literal[policies.NAMES]
+Method = Literal[tuple(METHODS)]
+DraftLength = Literal[tuple(POLICIES)]
 Verification = Literal["lossless", "fuzzy", "conditional"]
 FinishReason = Literal["stop", "length", "error"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -153,22 +153,19 @@ class FuzzyConfig(Config):
 
 
 class ConditionalConfig(Config):
-    # 0.02 / 0.02 from the measured curve (bench/results/README.md): at batch 1 on the code set the only point
-    # faster than lossless AASD (1.08x), its edit similarity +3.9% [-2.3, +11.0]; 0.1 / 0.1 ran 0.91x
+    # the defaults: the fastest point of the measured curve that stays close to lossless (bench/results/README.md)
     alpha: float = Field(0.02, ge=0.0, description="entropy weight of the threshold: p(x) >= min(alpha H(p) + beta, "
                                                    "max p)")
     beta: float = Field(0.02, ge=0.0, description="its floor; beta >= 1 is strict greedy verification")
 
-
-HEAD_MAX_TOKENS = 20  # SpecDec++'s most draft tokens per round
 
 _MOVED = {"prompt_lookup_max_ngram": "speculation.prompt_lookup.max_ngram",
           "prompt_lookup_min_ngram": "speculation.prompt_lookup.min_ngram"}
 
 
 class SpecConfig(Config):
-    method: Method = Field("draft_model", description="`none` (plain decoding), `draft_model`, `prompt_lookup`")
-    draft_length: DraftLength = Field(policies.NAMES[0], description=policies.describe())
+    method: Method = Field("draft_model", description=describe(METHODS))
+    draft_length: DraftLength = Field(next(iter(POLICIES)), description=describe(POLICIES))
     num_draft_tokens: int = Field(2, ge=0, description="K of `fixed`, and where `heuristic` starts")
     max_draft_tokens: int = Field(8, ge=1, le=64, description="upper bound for every policy (unset: 20 for "
                                   "`acceptance_head`, SpecDec++'s)")
@@ -207,14 +204,15 @@ class SpecConfig(Config):
         for old, new in _MOVED.items():
             if isinstance(data, dict) and old in data:
                 raise ValueError(f"speculation.{old} is now {new}")
-        if isinstance(data, dict) and data.get("draft_length") == "acceptance_head" and "max_draft_tokens" not in data:
-            data = {**data, "max_draft_tokens": HEAD_MAX_TOKENS}  # the head stops rounds; SpecDec++ bounds them at 20
+        policy = POLICIES.get(data.get("draft_length")) if isinstance(data, dict) else None
+        if policy is not None and policy.max_draft_tokens and "max_draft_tokens" not in data:
+            data = {**data, "max_draft_tokens": policy.max_draft_tokens}  # the policy's own bound
         return data
 
     @model_validator(mode="after")
     def _consistent(self):
-        needs = {"fuzzy": "draft_model", "conditional": "prompt_lookup"}.get(self.verification)
-        if needs and self.method != needs:
+        if self.verification != "lossless" and METHODS[self.method].relaxed != self.verification:
+            needs = next(m.name for m in METHODS.values() if m.relaxed == self.verification)
             raise ValueError(f"speculation.verification {self.verification} needs speculation.method {needs} "
                              f"(not {self.method})")
         if self.sampling == "coupled" and self.verification != "lossless":
@@ -223,7 +221,7 @@ class SpecConfig(Config):
         for name in ("fuzzy", "conditional"):
             if getattr(self, name) is not None and self.verification != name:
                 raise ValueError(f"speculation.{name} is set but speculation.verification is {self.verification}")
-        if self.draft_length in ("fixed", "heuristic") and self.num_draft_tokens > self.max_draft_tokens:
+        if "num_draft_tokens" in POLICIES[self.draft_length].settings and self.num_draft_tokens > self.max_draft_tokens:
             raise ValueError("speculation.num_draft_tokens must not exceed speculation.max_draft_tokens")
         if self.draft_length == "acceptance_head" and self.acceptance_head is None:
             raise ValueError("speculation.draft_length acceptance_head needs speculation.acceptance_head.path "
@@ -241,10 +239,13 @@ class SpecConfig(Config):
 
     @property
     def max_nodes(self) -> int:
-        """The most draft tokens (tree nodes) one row can propose in a round."""
-        if self.method == "prompt_lookup":
-            return self.max_draft_tokens * (1 + self.prompt_lookup.alignment_sampling)
-        return self.max_draft_tokens
+        """The most draft tokens (tree nodes) one row can propose in a round (the method's tree budget)."""
+        return METHODS[self.method].max_nodes(self)
+
+    def ignored(self) -> set[str]:
+        """The settings this config's method and draft-length policy never read (a job's fingerprint leaves them
+        out: changing one changes no output row)."""
+        return ignored_settings(self.method, self.draft_length)
 
 
 def row_seed(seed: int, key: object, sample: int = 0) -> int:

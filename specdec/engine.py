@@ -5,7 +5,8 @@ of token-id prompts: up to `batch_size` rows are active at once; a finished row 
 the last active row moves into its slot) and a waiting prompt is prefilled into the free slot, so
 finished rows stop costing compute and the batch stays full.
 
-Built once per engine: the verification rule (specdec/verify.py), the draft-length policy
+Built once per engine, from the method's entry (specdec/choices.py): the round's context (`RoundContext`: the
+verification rule, verify widths, the clock, stop sets, output formats, the draft limit), the draft-length policy
 (specdec/policies/, which keeps what it learns across calls) and the models' runners. Each round
 (specdec/rounds.py) drafts, verifies in one target forward and accepts; the prompt's last token is
 the first pending token, so every emitted token comes from a round and `generated_tokens <=
@@ -29,20 +30,17 @@ import torch
 from . import llama, memory, profiler
 from .batch import Batch
 from .cache import RaggedKVCache
+from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
-from .costmodel import CostModel, Profile, pow2_at_least
-from .models import ModelPair
-from .policies import LengthPolicy, PolicyEnv, make_policy, policy_class
-from .proposers.base import Proposer
-from .proposers.draft_model import DraftModelProposer
-from .proposers.prompt_lookup import PromptLookupProposer
+from .costmodel import CostModel, Profile, VerifyWidths, pow2_at_least
 from .grammar import Constraints, GrammarError, Grammars
-from .rounds import Request, Rounds
+from .models import ModelPair
+from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
+from .rounds import Request, RoundContext, Rounds, SyntheticRounds
 from .runner import ModelRunner
 from .stops import StopStrings
 from .tp import TPRunner
-from .verify import make_rule
-from .widths import VerifyWidths
+from .verify import CoupledRule
 
 
 def _graph_bytes(runner) -> int:
@@ -59,15 +57,18 @@ class SpecEngine:
     """Generation over a model pair. `fast_path=False` runs every model through transformers' own modules
     (no lean Llama forward, no CUDA graphs); `step_graphs` overrides where steps replay captured graphs
     (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
-    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py)."""
+    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py); `profile`: measured
+    costs to plan from instead of measuring them (specdec/costmodel.py); `clock`: what rounds are timed by (a test
+    may drive a fake one)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        if spec.method == "draft_model" and pair.draft is None:
-            raise ValueError("speculation.method draft_model needs models.draft")
+        self.method = METHODS[spec.method]
+        if self.method.draft_model and pair.draft is None:
+            raise ValueError(f"speculation.method {spec.method} needs a pair with a draft model")
         self.pair = pair
         self.target = pair.target
         self.vocab_size = pair.vocab_size
@@ -75,26 +76,27 @@ class SpecEngine:
         self.spec = spec
         self.batch_size = batch_size
         self.device = pair.device
-        self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
-        self.stop_strings = StopStrings(pair.tokenizer)
-        self.grammars = Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(self.stop_ids)))  # output formats
-        models = [pair.target] + ([pair.draft] if spec.method == "draft_model" else [])
-        self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30) for m in models)
-        self.rule = make_rule(spec)
+        self.max_positions = min(getattr(m.config, "max_position_embeddings", 1 << 30)
+                                 for m in self._models().values())
         self.policy: LengthPolicy | None = None  # built on first need (goodput's after its costs are measured)
-        self.clock = time.perf_counter  # what rounds are timed by (a test may drive a fake one)
         self.fast_path = fast_path
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
+        max_draft = self.method.max_draft(spec)
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
-        self.graph_width = spec.max_draft_tokens + 1 if spec.method != "none" else 1
+        self.graph_width = max_draft + 1
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
         self.need: memory.Need | None = None  # what the memory plan counted for the last batch
         self.plan_check()
-        pad = spec.verify_padding and spec.method != "none"
-        self.widths = VerifyWidths(spec.max_draft_tokens + 1) if pad else None  # measured verify widths
-        self.needs_costs = policy_class(spec.draft_length).needs_costs and spec.method != "none"
+        rule = self.method.rule(spec)
+        stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
+        self.context = RoundContext(
+            rule=CoupledRule(rule) if spec.sampling == "coupled" else rule,
+            widths=VerifyWidths(max_draft + 1) if spec.verify_padding and max_draft else None,
+            clock=clock, stop_ids=stop_ids, stop_strings=StopStrings(pair.tokenizer),
+            grammars=Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(stop_ids))), max_draft=max_draft)
+        self.needs_costs = POLICIES[spec.draft_length].needs_costs and max_draft > 0
         self.profile = profile  # measured costs (specdec/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it
 
@@ -105,22 +107,34 @@ class SpecEngine:
         once per engine: a job's worker pays it when it loads its models). generate() calls it."""
         if self.policy is not None:
             return self.policy
-        spec = self.spec if self.spec.method != "none" else self.spec.model_copy(update={"draft_length": "fixed"})
-        env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens)
+        env = PolicyEnv(self.device, row_tokens=self.sampling.max_new_tokens,
+                        siblings=self.method.siblings(self.spec))
         if self.needs_costs:
-            t0 = time.perf_counter()
             if self.profile is None:
-                self.profile = profiler.measure(self)
+                t0 = time.perf_counter()
+                self.profile = self.measure_profile()
                 self.profile_s = time.perf_counter() - t0
-            env.costs = CostModel(self.profile, VerifyWidths.max_pad if self.widths else 0)
-        self.policy = make_policy(spec, env)
+            env.costs = CostModel(self.profile, self.context.widths)
+        self.policy = POLICIES[self.spec.draft_length].build(self.spec, env) if self.method.drafts else \
+            NoDrafts(self.spec)
         return self.policy
 
+    @torch.inference_mode()
+    def measure_profile(self, every_width: bool = False) -> Profile:
+        """The costs of this engine's rounds, measured now on synthetic rows of 64 tokens (specdec/profiler.py);
+        `every_width`: every verification width, not only those a length could win at."""
+        policy = FixedLength(self.spec)  # drafts on demand: rows joining are prefilled in the draft
+        batch = self.new_batch(self.batch_size, 64 + self.spec.max_nodes + 2, policy)
+        work = SyntheticRounds(self.context, batch, policy, self.sampling, self.method.draft_model, 64)
+        hardware = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else \
+            f"CPU x{torch.get_num_threads()}"
+        return profiler.measure(work, self.batch_size, self.context.max_draft, self.method.draft_model,
+                                self.method.siblings(self.spec), self.context.clock,
+                                f"{hardware}, {next(self.pair.target.parameters()).dtype}", every_width=every_width)
+
     def _models(self) -> dict[str, torch.nn.Module]:
-        models = {"target": self.target}
-        if self.spec.method == "draft_model":
-            models["draft"] = self.pair.draft
-        return models
+        """The models the method runs, by role."""
+        return {"target": self.pair.target, **({"draft": self.pair.draft} if self.method.draft_model else {})}
 
     def output_head(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The output head of a model, the draft's cut to `draft_vocab` rows (SpecConfig.draft_vocab)."""
@@ -145,10 +159,9 @@ class SpecEngine:
             graphs = lean and (self.step_graphs if self.step_graphs is not None else self.device.type == "cuda")
             vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
-        top = self.spec.prompt_lookup.alignment_sampling
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
-                                 ModelRunner.min_kv_bucket, top=top + 1 if top and self.spec.method == "prompt_lookup"
-                                 else 0, additive_mask=self.device.type == "cuda")
+                                 ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
+                                 additive_mask=self.device.type == "cuda")
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
@@ -233,14 +246,9 @@ class SpecEngine:
 
     def new_batch(self, rows: int, max_len: int, policy: LengthPolicy) -> Batch:
         """An empty batch of `rows` slots of `max_len` tokens, with its proposer, and `policy`'s per-row state."""
-        batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size, self.sampling)
-        if self.spec.method == "draft_model":
-            raw = self.rule.name == "fuzzy"  # FSD compares the models' raw distributions
-            batch.proposer = DraftModelProposer(batch, self.runner("draft", rows, max_len), policy, raw)
-        elif self.spec.method == "prompt_lookup":
-            batch.proposer = PromptLookupProposer(batch, self.spec.prompt_lookup)
-        else:
-            batch.proposer = Proposer(batch)  # method none: never drafts
+        batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size)
+        draft = self.runner("draft", rows, max_len) if self.method.draft_model else None
+        batch.proposer = self.method.proposer(batch, self.spec, policy, self.context.rule, draft)
         policy.attach(batch.slots)
         return batch
 
@@ -319,14 +327,14 @@ class SpecEngine:
                 want = need.batch
             batch = self.new_batch(want, max_len, policy)
             if any(requests[i].sp.grammar is not None for i in todo):
-                batch.constraints = Constraints(batch.capacity, self.vocab_size, self.device, self.stop_ids)
-            Rounds(self, batch, policy, requests, results, on_round).run(deque(todo))
+                batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
+            Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 
     def _check_format(self, sp: SamplingParams) -> str | None:
         """Why a row's output format cannot run ("bad_response_format: ..."), or None."""
         try:
-            self.grammars.matcher(sp.grammar)
+            self.context.grammars.matcher(sp.grammar)
         except GrammarError as exc:
             return str(exc)
         return None

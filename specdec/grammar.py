@@ -139,10 +139,12 @@ def _bits(bitmask: np.ndarray, vocab: int, device) -> torch.Tensor:
 
 
 class Constraints:
-    """The matchers of a batch's rows, by slot (None: an unconstrained row); they follow `move`."""
+    """The matchers of a batch's rows, by slot (None: an unconstrained row), kept in the batch's slots (a copied
+    row gets a copy of its source's)."""
 
-    def __init__(self, capacity: int, vocab_size: int, device, eos: frozenset[int] = frozenset()):
-        self.matchers: list[object | None] = [None] * capacity
+    def __init__(self, slots, vocab_size: int, device, eos: frozenset[int] = frozenset()):
+        self.matchers: list[object | None] = slots.add_objects(
+            "matcher", lambda src, dst: None if src is None else src.deep_copy())
         self.eos = eos  # end-of-sequence ids: a grammar that is complete allows them, never consumes them
         self.vocab_size, self.device = vocab_size, device
         self.words = (vocab_size + 31) // 32
@@ -153,11 +155,9 @@ class Constraints:
         """The constrained rows among [0, n)."""
         return [i for i in range(n) if self.matchers[i] is not None]
 
-    def move(self, src: int, dst: int) -> None:
-        self.matchers[dst] = self.matchers[src]
-
-    def copy(self, src: int, dst: int) -> None:
-        self.matchers[dst] = None if self.matchers[src] is None else self.matchers[src].deep_copy()
+    def set(self, slot: int, matcher) -> None:
+        """The row at `slot` follows `matcher` (None: unconstrained)."""
+        self.matchers[slot] = matcher
 
     def _mask(self, m) -> np.ndarray:
         mask = np.frombuffer(m.compute_bitmask(), dtype=np.int32)[: self.words]  # llguidance: vocab // 32 + 1 words

@@ -11,13 +11,12 @@ buffer and padding logic where no GPU is.
 `compiled_layer()` is the lean decoder layer (specdec/llama.py) with its two halves around the attention
 through `torch.compile`, which fuses their elementwise work (norms, RoPE, activations) into a few kernels;
 every layer of every Llama-family model in the process shares them. The cache writes and the attention
-run eagerly between them (inside a graph that costs no launches): on CUDA, inductor's attention lowering
-over a cache slice of symbolic length failed its own stride checks on every shape (H100, torch 2.11,
-2026-11-26). Shapes are symbolic: each half compiles four times per model shape (one row or more, one
-token or more: PyTorch specializes sizes 0 and 1), not per batch size or width; sizes are not
-"duck-shaped" (a width that happened to equal the number of KV heads would otherwise be guarded as equal). On CPU the compiled layer
-is slower than eager (SmolLM2-135M, bf16, 2 cores: 38 vs 33 ms at batch 1, 114 vs 44 ms at batch 8)
-and takes minutes to compile, so only GPUs use it.
+run eagerly between them (inside a graph that costs no launches): inductor's CUDA attention lowering over a
+cache slice of symbolic length fails its own stride checks. Shapes are symbolic: each half compiles four times
+per model shape (one row or more, one token or more: PyTorch specializes sizes 0 and 1), not per batch size or
+width; sizes are not "duck-shaped" (a width that happened to equal the number of KV heads would otherwise be
+guarded as equal). On CPU the compiled layer is slower than eager and takes minutes to compile, so only GPUs use
+it (bench/results/README.md has the figures).
 """
 
 from __future__ import annotations

@@ -137,12 +137,13 @@ def build_examples(target, draft, prompt_ids: list[int], response_ids: list[int]
     dv = min(draft_vocab or vocab, vocab)
     hd = draft.get_decoder()(input_ids=seq).last_hidden_state[0, sl]  # the state that draws each q_t
     lt, ld = target(seq).logits[0, sl, :vocab], draft.get_output_embeddings()(hd)[:, :dv]
-    q = sampling.probs(ld, sp)  # [n_r, dv]
+    rows = sampling.Rows.of(sp, ld.device)
+    q = sampling.probs(ld, rows)  # [n_r, dv]
     if sp.greedy:  # greedy verification accepts Z = argmax q exactly when it is argmax p
         z = ld.argmax(-1)
         y = (lt.argmax(-1) == z).float()
     else:
-        p = sampling.probs(lt, sp)  # [n_r, V]
+        p = sampling.probs(lt, rows)  # [n_r, V]
         z = sampling.sample(q, torch.rand(n_r, generator=generator))  # Z_t ~ q_t
         pz, qz = p.gather(1, z[:, None])[:, 0], q.gather(1, z[:, None])[:, 0]
         y = (pz / qz.clamp_min(1e-12)).clamp(max=1.0)  # P(accept Z_t) under the lossless rule

@@ -161,7 +161,7 @@ class MemoryPlan:
     used: int  # in use when the plan was made (weights, the process's other tensors, other processes)
     width: int  # the widest captured step
     kv_bucket: int  # the smallest attention window of a captured step (ModelRunner.min_kv_bucket)
-    top: int = 0  # top ids the target's prefill computes at every prompt position (AASD)
+    prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     slack: int = GiB // 2
 
@@ -180,7 +180,7 @@ class MemoryPlan:
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top" if self.top else "none"),
+        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top" if self.prompt_top_ids else "none"),
                 self._forward(self.roles[0], step_rows, self.width, max_len, "all")
                 + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
         acts += [self._forward(role, batch, row_len, row_len, "last") for role in self.roles[1:]]
@@ -194,7 +194,7 @@ class MemoryPlan:
                             for kv in windows} for role in self.roles if role.graphs}
 
     def _forward(self, role: Role, rows: int, tokens: int, kv: int, logits: str) -> int:
-        return role.shape.forward(rows, tokens, kv, logits, self.top, self.additive_mask)
+        return role.shape.forward(rows, tokens, kv, logits, self.prompt_top_ids, self.additive_mask)
 
     def fits(self, need: Need) -> bool:
         return need.total <= self.budget

@@ -28,8 +28,8 @@ DTYPE_NAMES = ("auto", *DTYPES)  # config.DType
 
 def native_bf16_cpu() -> bool:
     """Does this CPU do bfloat16 arithmetic in hardware (AVX512-BF16 or AMX)? Without it oneDNN emulates
-    bfloat16 and a model runs slower than in float32; with it (measured on a 2-core AMD EPYC, SmolLM2-135M
-    at batch 1) a decoding step takes half the time, and a 2-6 token forward costs about a 1-token one."""
+    bfloat16 and a model runs slower than in float32; with it a decoding step takes about half float32's time
+    (bench/results/README.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])

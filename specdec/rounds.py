@@ -7,31 +7,47 @@ target's cache):
   logits  = target([pending, x_1..x_k])       one forward scores every drafted position
   verdict = rule(logits, draft)               accepted a, and the recovered / bonus token y
   emit x_1..x_a, y; cut at a stop token, a stop string or max_new_tokens; finished rows leave
-A round reads the device back once, at the end of `verify`; everything the host needs before that
-(lengths, K) it already knows. Rows with an output format (specdec/grammar.py) are verified under its
-masks, and then take the tokens it allows alone (jump-forward): the target reads those in the next
-round's forward, which then starts up to `lag` tokens before each row's pending token.
+A round reads the device back once, at the end of `verify` (`Readback`); everything the host needs before that
+(lengths, K) it already knows. What every round reads (the rule, verify widths, the clock, stop sets, output
+formats, the draft limit) is a `RoundContext` the engine builds once. Rows with an output format
+(specdec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
+target reads those in the next round's forward, which then starts up to `lag` tokens before each row's pending
+token.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from . import sampling, trees
-from .verify import scan
-from .batch import Batch, Row
+from . import sampling
+from .batch import Batch, Row, sync
 from .config import SampleResult, SamplingParams, row_seed
+from .costmodel import VerifyWidths
+from .grammar import Grammars
 from .policies import BatchView, LengthPolicy, RoundResult
-from .proposers.base import Draft
+from .proposers.base import Draft, Tree
+from .sampling import Draws, Rows
+from .stops import StopStrings
+from .verify import Rule, scan
 
-if TYPE_CHECKING:
-    from .engine import SpecEngine
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What every round reads, built once by the engine."""
+
+    rule: Rule  # the verification rule (the method's; wrapped for coupled sampling)
+    widths: VerifyWidths | None  # the width each chain round verifies at (None: no verify padding)
+    clock: Callable[[], float]  # what rounds are timed by (a test may drive a fake one)
+    stop_ids: frozenset[int]  # tokens that end every row: the target's EOS ids and `stop_token_ids`
+    stop_strings: StopStrings  # finds stop strings in a row's decoded text
+    grammars: Grammars  # compiles output formats
+    max_draft: int  # the most tokens a row drafts in a round (0: plain decoding)
 
 
 @dataclass
@@ -47,30 +63,48 @@ class Request:
 
 @dataclass
 class Readback:
-    """A round's results on the host, per row of [0, n)."""
+    """A round's results on the host, per row of [0, n), read from the device in one copy (`read`)."""
 
     accepted: np.ndarray  # [n] drafted tokens accepted
     drafted: np.ndarray  # [n] tokens (tree nodes) proposed
-    bad: np.ndarray  # [n] non-finite logits: bit 1 the target's, bit 2 the draft's
-    tokens: list[list[int]]  # per row x_1..x_a, y (stale past a + 1)
-    logprobs: np.ndarray | None = None  # [n, a + 1 ...] of each token where it was drawn (rows asked for them)
-    top: tuple[np.ndarray, np.ndarray] | None = None  # ids and logprobs [n, a + 1 ..., K] of the top tokens there
+    target_non_finite: np.ndarray  # [n] the target's logits held NaN or inf
+    tokens: np.ndarray  # [n, w] x_1..x_a, y (stale past a + 1)
+    draft_non_finite: np.ndarray | None = None  # [n] the draft's logits held NaN or inf (None: no draft model)
+    logprobs: np.ndarray | None = None  # [n, w] of each token where it was drawn (rows asked for them)
+    top_ids: np.ndarray | None = None  # [n, w, K] the most likely tokens there
+    top_logprobs: np.ndarray | None = None  # [n, w, K] their logprobs
+
+    @classmethod
+    def read(cls, **values: torch.Tensor | None) -> Readback:
+        """The fields given as device tensors ([n, ...] of integers, bools or floats; None: absent), packed side by
+        side into one int64 tensor (floats as float64 bits), copied to the host at once and unpacked by name."""
+        given = {name: t for name, t in values.items() if t is not None}
+        flat = [t.reshape(t.shape[0], -1) for t in given.values()]
+        packed = torch.cat([t.double().view(torch.int64) if t.is_floating_point() else t.to(torch.int64)
+                            for t in flat], dim=1)
+        host, at, out = packed.cpu().numpy(), 0, {}
+        for (name, t), f in zip(given.items(), flat):
+            x = host[:, at : at + f.shape[1]]
+            at += f.shape[1]
+            x = x.view(np.float64) if t.is_floating_point() else x.astype(bool) if t.dtype == torch.bool else x
+            out[name] = x.reshape(t.shape)
+        return cls(**out)
 
 
 class Rounds:
-    def __init__(self, engine: SpecEngine, batch: Batch, policy: LengthPolicy, requests: list[Request],
+    def __init__(self, context: RoundContext, batch: Batch, policy: LengthPolicy, requests: list[Request],
                  results: list[SampleResult | None], on_round=None):
-        self.e, self.b, self.policy = engine, batch, policy
+        self.context, self.batch, self.policy = context, batch, policy
         self.requests, self.results = requests, results
         self.on_round = on_round
-        self.m = engine.spec.max_draft_tokens if engine.spec.method != "none" else 0
-        self.random = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw uniforms
-        self.coupled = self.random and engine.spec.sampling == "coupled"  # ... or Gumbel noise by position
-        self.top = max((r.sp.top_logprobs for r in requests if r.sp.logprobs), default=-1)  # -1: no logprobs
+        self.max_draft = context.max_draft
+        self.sampled = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw randomness
+        logprobs = [r.sp.top_logprobs for r in requests if r.sp.logprobs]
+        self.top_logprobs = max(logprobs) if logprobs else None  # most tokens per position (None: no logprobs)
         self.waiting = self.joined = 0
 
     def run(self, queue: deque) -> None:
-        b = self.b
+        b = self.batch
         while queue or b.n:
             if queue and b.n < b.capacity:
                 self.admit([queue.popleft() for _ in range(min(b.capacity - b.n, len(queue)))], len(queue))
@@ -79,7 +113,7 @@ class Rounds:
     def admit(self, indices: list[int], waiting: int = 0) -> None:
         """Requests `indices` join the batch. One sample of each prompt is prefilled; the others copy its
         caches (they sit after all the prefilled rows, so that these are contiguous)."""
-        b, now = self.b, time.perf_counter()
+        b, now = self.batch, time.perf_counter()
         first: dict[int, int] = {}  # group -> its prefilled request
         for i in indices:
             first.setdefault(self.requests[i].group, i)
@@ -91,198 +125,141 @@ class Rounds:
             r = self.requests[i]
             gen = None if r.sp.greedy else torch.Generator().manual_seed(row_seed(r.sp.seed, r.key, r.sample))
             result = SampleResult(key=r.key, prompt_tokens=len(r.prompt), sample_index=r.sample,
-                                  verification=self.e.rule.name)
+                                  verification=self.context.rule.name)
             rows.append(Row(i, result, list(r.prompt), gen, now, r.sp))
         b.write_rows(start, rows)
         self.waiting, self.joined = waiting, self.joined + len(order)
         view = self.view(end)
         drafting = self.policy.drafts_soon(view)
-        wide = drafting and b.proposer.prefill_top and self.policy.widens_soon(view)
-        top = b.prefill_target(start, mid, b.proposer.prefill_top if wide else 0)
-        b.proposer.admit(start, mid, top, drafting=drafting)
+        wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
+        top_ids = b.prefill_target(start, mid, b.proposer.prompt_top_ids if wide else 0)
+        b.proposer.admit(start, mid, top_ids, drafting=drafting)
         for slot in range(mid, end):
             b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)
-        b.n = end
         if b.constraints is not None:
             for slot, i in zip(range(start, end), order):
                 fmt = self.requests[i].sp.grammar
-                b.constraints.matchers[slot] = None if fmt is None else self.e.grammars.matcher(fmt)
+                b.constraints.set(slot, None if fmt is None else self.context.grammars.matcher(fmt))
             self.jump_forward(range(start, end))
 
     def view(self, n: int, reach: bool = False) -> BatchView:
         """What the policy sees of rows [0, n); `reach`: with how deep each row can draft now (before a round)."""
-        return BatchView(n, self.waiting, self.joined, self.b.proposer.reach(n) if reach else None)
+        return BatchView(n, self.waiting, self.joined, self.batch.proposer.reach(n) if reach else None)
 
     def limits(self, n: int) -> np.ndarray:
-        """[n] host: the tokens each row may draft this round (the policy's plan, within max_draft_tokens and
-        the row's room before max_new_tokens)."""
-        if not self.m:
+        """[n] host: the tokens each row may draft this round (the policy's plan, within the row's room before
+        max_new_tokens)."""
+        if not self.max_draft:
             return np.zeros(n, dtype=np.int64)
-        room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in self.b.rows[:n]])
+        room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in self.batch.rows[:n]])
         plan = self.policy.plan(self.view(n, reach=True))
         self.joined = 0
-        return np.minimum(np.clip(plan, 0, self.m), room)
+        return np.minimum(plan, room)
 
     def round(self) -> None:
         """One round of the active rows: plan, propose, verify (one read-back), finish rows."""
-        b, n = self.b, self.b.n
+        b, n, clock = self.batch, self.batch.n, self.context.clock
         limits = self.limits(n)
-        t0 = self.e.clock()
-        u = self.randomness(n, int(limits.max(initial=0)) + 1)  # [n, 2M + 1] or None: the draft's M, the rule's M + 1
-        draft = b.proposer.propose(n, limits, None if u is None else u[:, : self.m], self.policy.siblings)
-        widths = self.e.widths if draft.tree is None else None  # a tree's forward is as wide as the tree
+        t0 = clock()
+        rows = b.sp.view(n)
+        draws = self.draws(n, int(limits.max(initial=0)) + 1)
+        draft = b.proposer.propose(n, limits, rows, draws, self.policy.siblings)
+        widths = self.context.widths if draft.tree is None else None  # a tree's forward is as wide as the tree
         k = draft.tokens.shape[1]
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # a width timed, not a K's cost
-        out = self.verify(n, draft, widths.choose(n, k + 1) if widths else k + 1, u)
+        width = widths.choose(n, k + 1) if widths else k + 1
+        out = self.verify(n, draft, width, rows, draws)
         emitted = sum(self.finish(i, out, draft.forwards) for i in range(n))
         emitted += self.jump_forward(range(n))
         finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
-        seconds = None if trial else self.e.clock() - t0
-        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, draft.host_depth))
+        seconds = None if trial else clock() - t0
+        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, draft.host_depth, width))
         for i in reversed(np.flatnonzero(finished)):  # descending: the last active row is never a finished one
             self.retire(int(i))
         if self.on_round is not None:
             self.on_round(emitted)
 
-    def randomness(self, n: int, width: int) -> torch.Tensor | None:
-        """This round's uniforms (`uniforms`); coupled, the noise of rows [0, n)'s next `width` positions, kept
-        in the batch for the draft and the rule."""
-        self.b.noise = self.noise(n, width) if self.coupled else None
-        return self.uniforms(n)
+    def draws(self, n: int, width: int) -> Draws:
+        """This round's randomness for rows [0, n): none when every row is greedy; the Gumbel noise of each row's
+        next `width` output positions under coupled sampling; else a fixed count of uniforms per row and round (the
+        draft's `max_draft`, then the rule's `max_draft` + 1), so that a row's stream does not depend on its batch."""
+        b, m = self.batch, self.max_draft
+        if not self.sampled:
+            return Draws(m)
+        if self.context.rule.coupled:
+            keys = [None if r.generator is None else r.generator.initial_seed() for r in b.rows[:n]]
+            return Draws(m, noise=sampling.gumbel(keys, b.lens[:n], width, b.vocab_size, b.device))
+        return Draws(m, uniforms=sampling.uniforms([r.generator for r in b.rows[:n]], 2 * m + 1, b.device))
 
-    def uniforms(self, n: int) -> torch.Tensor | None:
-        """This round's uniforms of rows [0, n) (None when greedy or coupled): a fixed count per row and round, so
-        a row's stream does not depend on its batch."""
-        if not self.random or self.coupled:
-            return None
-        return sampling.uniforms([r.generator for r in self.b.rows[:n]], 2 * self.m + 1, self.b.device)
-
-    def noise(self, n: int, width: int) -> torch.Tensor:
-        """Coupled sampling's Gumbel noise [n, width, vocab] of rows [0, n)'s next `width` output positions."""
-        keys = [None if r.generator is None else r.generator.initial_seed() for r in self.b.rows[:n]]
-        return sampling.gumbel(keys, self.b.lens[:n], width, self.b.vocab_size, self.b.device)
-
-    def coupled_logits(self, logits: torch.Tensor, draft: Draft, rows: sampling.Rows) -> torch.Tensor:
-        """The logits [n, T+1, vocab] perturbed by each node's position's noise (a node at depth d of a row
-        predicts the token at position lens + d): sampled rows' tokens are then their argmax."""
-        n, k = draft.tokens.shape
-        depth = (trees.with_root(draft.tree.depth) if draft.tree is not None
-                 else torch.arange(k + 1, device=logits.device).expand(n, k + 1))
-        width = int(depth.max()) + 1
-        noise = self.b.noise
-        if noise is None or noise.shape[0] != n or noise.shape[1] < width:
-            noise = self.noise(n, width)
-        if draft.tree is None:
-            return sampling.coupled(logits, rows, noise[:, : k + 1])
-        return sampling.coupled(logits, rows, noise.gather(1, depth[..., None].expand(-1, -1, noise.shape[-1])))
-
-    def verify(self, n: int, draft: Draft, width: int, u: torch.Tensor | None) -> Readback:
-        """One target forward over [pending, draft] (chains padded with junk to `width` >= k + 1), the rule's
-        verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's read-back."""
-        b, dev, k = self.b, self.b.device, draft.tokens.shape[1]
-        t0 = time.perf_counter()
-        lens = b.lens[:n].copy()
-        lag = int((lens - b.cached[:n]).max())  # the most tokens a row's target cache lacks (1 but after jump-forward)
-        base = b.to_device(lens) - 1  # [n] the pending token's slot
-        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
-        tokens_in = torch.cat([b.seq[:n].gather(1, behind), draft.tokens], dim=1)  # [n, lag + k]
-        kv_len = int(lens.max()) - 1 + width
-        if draft.tree is None:  # chains, padded with junk to `width`
-            positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
-            logits, _ = b.target.step(torch.nn.functional.pad(tokens_in, (0, width - k - 1)), positions, kv_len)
-        else:  # token trees: node j at slot base + j, position base + depth, seeing its ancestors
-            t = draft.tree
-            positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
-            logits, _ = b.target.step(tokens_in, positions, kv_len, slots=slots, mask=mask)
-        logits = logits[:, lag - 1 : lag + k, : b.vocab_size]  # [n, k+1, vocab]
+    def verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws) -> Readback:
+        """One target forward over [pending, draft] at `width` tokens per row (chains padded with junk past k + 1),
+        the rule's verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's
+        read-back."""
+        b, k, t0 = self.batch, draft.tokens.shape[1], self.context.clock()
+        inputs = b.target_inputs(n, draft, width)
+        logits, _ = b.target.step(inputs.tokens, inputs.positions, inputs.kv_len, slots=inputs.slots, mask=inputs.mask)
+        logits = logits[:, inputs.lag - 1 : inputs.lag + k, : b.vocab_size]  # [n, k+1, vocab]
         best, finite = scan(logits)  # greedy's choices and the non-finite check in one pass
-        bad = (~finite.all(1)).to(torch.int64)  # 1: the target's logits are not finite
-        if draft.bad is not None:
-            bad |= draft.bad.to(torch.int64) << 1  # 2: the draft's
         if b.constraints is not None:  # on the host while the forward runs: each row's format masks p
-            self.constrain(n, draft)
+            draft = self.constrain(n, draft)
         if draft.allowed is not None:
             logits = logits.masked_fill(~draft.allowed, float("-inf"))
             best = None  # the masks change the argmax
-        rows = b.sp.view(n)
-        if self.coupled:  # verification is argmax matching on the perturbed logits
-            v = self.e.rule(self.coupled_logits(logits, draft, rows), draft, sampling.as_greedy(rows), None)
-        else:
-            v = self.e.rule(logits, draft, rows, None if u is None else u[:, self.m :], best)
-
-        new = draft.tokens
-        if v.path is not None:  # keep the accepted path: its tokens, and its keys and values moved into place
-            ar = torch.arange(1, v.path.shape[1] + 1, device=dev)[None, :]
-            b.target.cache.move_slots(base[:, None] + v.path, base[:, None] + ar)
-            new = draft.tokens.gather(1, (v.path - 1).clamp(min=0))
-        new = torch.cat([new, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
-        new.scatter_(1, v.accepted[:, None], v.next_token[:, None])  # x_1..x_a, y, (stale)
-        write = (base[:, None] + 1 + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=b.max_len - 1)
-        b.seq[:n].scatter_(1, write, new)
-
-        parts = [v.accepted[:, None], draft.lengths[:, None], bad[:, None], new]
-        if self.top >= 0:
-            parts.append(self.logprobs(logits, rows, new, v.path))
-        host = torch.cat(parts, dim=1).cpu().numpy()  # the read-back
-        w = new.shape[1]
-        out = Readback(host[:, 0], host[:, 1], host[:, 2], host[:, 3 : 3 + w].tolist())
-        if self.top >= 0:
-            floats = host[:, 3 + w :].view(np.float64)
-            out.logprobs = floats[:, :w]
-            if self.top:
-                out.top = (host[:, 3 + w * (2 + self.top) :].reshape(n, w, self.top),
-                           floats[:, w : w * (1 + self.top)].reshape(n, w, self.top))
-        b.lens[:n] = lens + out.accepted + 1
-        b.cached[:n] = b.lens[:n] - 1
-        b.proposer.commit(n, lens, out.accepted)
-        if self.e.widths:
-            self.e.widths.observe(n, width, time.perf_counter() - t0)
+        verdict = self.context.rule(logits, draft, rows, draws, best)
+        tokens = b.accept(n, inputs, verdict, draft)
+        top = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
+        out = Readback.read(accepted=verdict.accepted, drafted=draft.lengths, target_non_finite=~finite.all(1),
+                            draft_non_finite=draft.non_finite, tokens=tokens, **top)
+        b.grow(n, inputs.lens, out.accepted)
+        b.proposer.commit(n, inputs.lens, out.accepted)
+        if self.context.widths:
+            self.context.widths.observe(n, width, self.context.clock() - t0)
         return out
 
-    def constrain(self, n: int, draft: Draft) -> None:
-        """Cut each constrained row's chain to what its grammar allows, and mask every verified position."""
-        g, k = self.b.constraints, draft.tokens.shape[1]
+    def constrain(self, n: int, draft: Draft) -> Draft:
+        """The draft with each constrained row's chain cut to what its grammar allows, and every verified position
+        masked by it (`Draft.allowed`)."""
+        g, k = self.batch.constraints, draft.tokens.shape[1]
         if not g.rows(n):
-            return
+            return draft
         host = draft.host_tokens if draft.host_tokens is not None else np.zeros((n, k), dtype=np.int64)
         full = np.full(n, k)
         if draft.tree is not None:
-            draft.allowed = g.tree_masks(n, host, draft.tree.host_parent, full)
-            return
+            return replace(draft, allowed=g.tree_masks(n, host, draft.tree.host_parent, full))
         tokens = host.tolist()
         valid = g.valid_lengths(n, tokens, full)
-        draft.lengths = torch.minimum(draft.lengths, self.b.to_device(valid))
-        draft.allowed = g.chain_masks(n, tokens, valid, k + 1)
+        return replace(draft, lengths=torch.minimum(draft.lengths, self.batch.to_device(valid)),
+                       allowed=g.chain_masks(n, tokens, valid, k + 1))
 
-    def logprobs(self, logits: torch.Tensor, rows, new: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
-        """Each emitted token's logprob where it was drawn, and the top ones there, as float64 bits (int64) for
-        the round's one read-back: [n, w] chosen, [n, w * K] top logprobs, [n, w * K] top ids."""
+    def logprobs(self, logits: torch.Tensor, rows: Rows, new: torch.Tensor, path: torch.Tensor | None) -> dict:
+        """Each emitted token's logprob where it was drawn [n, w], and the most likely tokens there with theirs
+        [n, w, K] (the read-back's fields)."""
         lp = sampling.logprobs(logits, rows)  # [n, k+1, vocab]
         if path is not None:  # a tree's token j was drawn at its parent: the root, then the path's nodes
             at = torch.nn.functional.pad(path, (1, 0))[:, : new.shape[1]]
             lp = lp.gather(1, at[:, :, None].expand(-1, -1, lp.shape[-1]))
-        chosen = lp.gather(2, new[:, :, None]).squeeze(2).double()
-        parts = [chosen.view(torch.int64)]
-        if self.top:
-            values, ids = lp.topk(self.top, dim=-1)
-            parts += [values.double().flatten(1).view(torch.int64), ids.flatten(1)]
-        return torch.cat(parts, dim=1)
+        out = {"logprobs": lp.gather(2, new[:, :, None]).squeeze(2)}
+        if self.top_logprobs:
+            out["top_logprobs"], out["top_ids"] = lp.topk(self.top_logprobs, dim=-1)
+        return out
 
     def finish(self, i: int, out: Readback, forwards: int) -> int:
         """Row i's share of the round: its tokens and statistics. Returns how many tokens it emitted."""
-        row, b = self.b.rows[i], self.b
+        row, b = self.batch.rows[i], self.batch
         res = row.result
-        if out.bad[i]:  # this row's logits were NaN or inf: its tokens mean nothing from here on
+        failed = "target" if out.target_non_finite[i] else \
+            "draft" if out.draft_non_finite is not None and out.draft_non_finite[i] else None
+        if failed:  # this row's logits were NaN or inf: its tokens mean nothing from here on
             res.finish_reason = "error"
-            res.error = f"non_finite_logits: the {'target' if out.bad[i] & 1 else 'draft'}'s logits held NaN or inf"
+            res.error = f"non_finite_logits: the {failed}'s logits held NaN or inf"
             return 0
         a = int(out.accepted[i])
-        tokens = out.tokens[i][: a + 1]
+        tokens = out.tokens[i, : a + 1].tolist()
         lps = top = None
         if row.sp.logprobs:
             lps = out.logprobs[i, : a + 1].tolist()
-            top = None if out.top is None else [list(zip(*t)) for t in zip(out.top[0][i, : a + 1].tolist(),
-                                                                               out.top[1][i, : a + 1].tolist())]
+            top = None if out.top_ids is None else [list(zip(*t)) for t in zip(out.top_ids[i, : a + 1].tolist(),
+                                                                                   out.top_logprobs[i, : a + 1].tolist())]
         kept = self.emit(row, tokens, lps, top)
         res.rounds += 1
         res.draft_forwards += forwards
@@ -295,12 +272,12 @@ class Rounds:
     def emit(self, row: Row, tokens: list[int], lps: list[float] | None = None, top=None) -> int:
         """Append `tokens` to the row, cut after a stop token, at a stop string or at max_new_tokens; their logprobs
         too, where the row asked. Returns how many were kept."""
-        res = row.result
-        stop = next((j for j, t in enumerate(tokens) if t in self.e.stop_ids or t in row.sp.stop_token_ids), None)
+        res, stops = row.result, self.context.stop_ids
+        stop = next((j for j, t in enumerate(tokens) if t in stops or t in row.sp.stop_token_ids), None)
         cut = len(tokens) if stop is None else stop + 1
         if stop is not None:
             res.finish_reason = "stop"
-        if row.sp.stop and (hit := self.e.stop_strings.find(res.token_ids, tokens[:cut], row.sp.stop)) is not None:
+        if row.sp.stop and (hit := self.context.stop_strings.find(res.token_ids, tokens[:cut], row.sp.stop)) is not None:
             cut, res.stop_string = hit
             res.finish_reason = "stop"
         room = row.sp.max_new_tokens - res.generated_tokens
@@ -321,8 +298,8 @@ class Rounds:
         """Rows whose output format allows exactly one next token take it (and the next, while that holds)
         without a model call; the target reads them in the next round. Only where the engine speculates: plain
         decoding (method none) stays one token per target call. Returns the tokens emitted."""
-        b = self.b
-        if not self.m or b.constraints is None:
+        b = self.batch
+        if not self.max_draft or b.constraints is None:
             return 0
         added: dict[int, list[int]] = {}
         for i in slots:
@@ -338,13 +315,57 @@ class Rounds:
         return sum(len(t) for t in added.values())
 
     def retire(self, slot: int) -> None:
-        b = self.b
-        row = b.rows[slot]
+        row = self.batch.remove(slot)
         row.result.wall_s = time.perf_counter() - row.t0
         if row.result.finish_reason not in ("stop", "length", "error"):
             row.result.finish_reason = "length"
         self.results[row.index] = row.result
-        last = b.n - 1
-        b.move_row(last, slot)
-        b.rows[last] = None
-        b.n = last
+
+
+class SyntheticRounds:
+    """The parts of a round on synthetic rows, each run then undone, for the start-up profile (specdec/profiler.py
+    times them): every row repeats a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does
+    not depend on the tokens) `context` tokens long, and is cut back to that after every call, so each call runs at
+    the same length and leaves nothing behind."""
+
+    def __init__(self, context: RoundContext, batch: Batch, policy: LengthPolicy, sp: SamplingParams,
+                 draft_model: bool, context_len: int = 64):
+        self.batch, self.length, self.draft_model = batch, context_len, draft_model
+        self.g = torch.Generator().manual_seed(0)
+        pattern = torch.randint(0, batch.vocab_size, (batch.capacity, 16), generator=self.g)
+        prompts = pattern.repeat(1, context_len // 16 + 1)[:, :context_len].tolist()
+        self.loop = Rounds(context, batch, policy, [Request(p, i, 0, sp, i) for i, p in enumerate(prompts)],
+                           [None] * batch.capacity)
+        self.loop.admit(list(range(batch.capacity)))
+        sync(batch.device)
+
+    def draft(self, n: int, k: int) -> None:
+        """Draft k tokens for rows [0, n) (the draft cache's length stays as it was)."""
+        b = self.batch
+        b.proposer.propose(n, np.full(n, k), b.sp.view(n), self.loop.draws(n, k + 1))
+        b.rewind(n, self.length)
+        sync(b.device)
+
+    def verify(self, n: int, width: int, depth: int | None = None) -> None:
+        """Verify a chain of width - 1 random drafts for rows [0, n); with `depth`, a tree of width - 1 nodes: a
+        chain that deep, the rest leaves under the root."""
+        b, dev, k = self.batch, self.batch.device, width - 1
+        tokens = torch.randint(0, b.vocab_size, (n, k), generator=self.g).to(dev)
+        rows = b.sp.view(n)
+        q = None if rows.greedy or not self.draft_model else \
+            torch.full((n, k, b.vocab_size), 1.0 / b.vocab_size, device=dev)
+        tree = None
+        if depth is not None:
+            ar = torch.arange(k, device=dev)
+            parent, depths = torch.where(ar < depth, ar, 0), torch.where(ar < depth, ar + 1, 1)
+            tree = Tree(parent[None].expand(n, k), depths[None].expand(n, k), depth)
+        draft = Draft(tokens, torch.full((n,), k, device=dev), q, tree)
+        self.loop.verify(n, draft, width, rows, self.loop.draws(n, (k if depth is None else depth) + 1))
+        b.rewind(n, self.length)
+        sync(dev)
+
+    def prefill(self, rows: int, draft: bool = False) -> None:
+        """The target's (or the draft's) prefill of rows [0, rows)."""
+        b = self.batch
+        b.prefill(b.proposer.runner if draft else b.target, 0, rows)
+        sync(b.device)

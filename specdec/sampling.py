@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from .config import SamplingParams
 
 
-
 @dataclass
 class Rows:
-    """The sampling settings of a batch's rows [0, n), as tensors (`RowSettings.view`)."""
+    """The sampling settings of a batch's rows [0, n), as tensors (`batch.RowSettings.view`), or of any number of
+    rows that share one setting (`Rows.of`: one-element tensors, which broadcast)."""
 
     temperature: torch.Tensor  # [n] float32; 1 for greedy rows (their processed p is the plain softmax)
     top_k: torch.Tensor  # [n] int64, 0 = off
@@ -33,72 +33,48 @@ class Rows:
     any_top_k: bool
     any_top_p: bool
 
-
-class RowSettings:
-    """Per-row SamplingParams of a batch, kept in its `Slots` (they follow swap-removes)."""
-
-    def __init__(self, slots, default: SamplingParams):
-        self.default = default
-        self.temperature = slots.add("sp_temperature", torch.float32, 1.0)
-        self.top_k = slots.add("sp_top_k")
-        self.top_p = slots.add("sp_top_p", torch.float32, 1.0)
-        self.greedy_rows = slots.add("sp_greedy", torch.bool, True)
-        self.host = {name: slots.add_host(f"sp_{name}", dtype) for name, dtype in
-                     (("greedy", bool), ("top_k", np.int64), ("top_p", np.float64))}
-
-    def set(self, slot: int, sp: SamplingParams) -> None:
-        self.temperature[slot] = 1.0 if sp.greedy else sp.temperature
-        self.top_k[slot] = 0 if sp.greedy else sp.top_k
-        self.top_p[slot] = 1.0 if sp.greedy else sp.top_p
-        self.greedy_rows[slot] = sp.greedy
-        self.host["greedy"][slot] = sp.greedy
-        self.host["top_k"][slot] = 0 if sp.greedy else sp.top_k
-        self.host["top_p"][slot] = 1.0 if sp.greedy else sp.top_p
-
-    def view(self, n: int) -> Rows:
-        g = self.host["greedy"][:n]
-        return Rows(self.temperature[:n], self.top_k[:n], self.top_p[:n], self.greedy_rows[:n], bool(g.all()),
-                    bool(g.any()), bool((self.host["top_k"][:n] > 0).any()), bool((self.host["top_p"][:n] < 1).any()))
+    @classmethod
+    def of(cls, sp: SamplingParams, device="cpu") -> Rows:
+        """Rows that all sample by `sp`."""
+        g = sp.greedy
+        one = lambda value, dtype: torch.tensor([value], dtype=dtype, device=device)  # noqa: E731
+        return cls(one(1.0 if g else sp.temperature, torch.float32), one(0 if g else sp.top_k, torch.int64),
+                   one(1.0 if g else sp.top_p, torch.float32), one(g, torch.bool), g, g, not g and sp.top_k > 0,
+                   not g and sp.top_p < 1.0)
 
 
-def processed(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
+@dataclass
+class Draws:
+    """A round's randomness for rows [0, n): none where every row is greedy; otherwise uniforms (speculative
+    sampling: per row, the draft's `max_draft`, then the rule's `max_draft` + 1) or Gumbel noise by output
+    position (coupled sampling)."""
+
+    max_draft: int
+    uniforms: torch.Tensor | None = None  # [n, 2 max_draft + 1]
+    noise: torch.Tensor | None = None  # [n, width, vocab] of each row's next `width` output positions
+
+    @property
+    def draft(self) -> torch.Tensor | None:
+        """[n, max_draft] the draft's uniforms, one per draft step."""
+        return None if self.uniforms is None else self.uniforms[:, : self.max_draft]
+
+    @property
+    def rule(self) -> torch.Tensor | None:
+        """[n, max_draft + 1] the rule's: column i < max_draft tests position i, the last draws the recovered or
+        bonus token."""
+        return None if self.uniforms is None else self.uniforms[:, self.max_draft :]
+
+
+def per_row(rows: Rows, greedy: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Greedy rows' values from `greedy`, the others' from `sampled` ([n, ...] each): a batch mixing them."""
+    return torch.where(rows.greedy_rows.view(-1, *(1,) * (greedy.dim() - 1)), greedy, sampled)
+
+
+def processed(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
     """The logits each row samples from, float32: divided by its temperature, -inf outside its top-k and top-p
-    (greedy rows: as they are). logits: [..., vocab] ([n, ..., vocab] for `Rows`)."""
-    if isinstance(sp, Rows):
-        return _row_processed(logits, sp)
+    (greedy rows: as they are). logits: [n, ..., vocab] (any shape for `Rows.of`)."""
     x = logits.float()
-    if sp.greedy:
-        return x
-    x = x / sp.temperature
-    vocab = x.shape[-1]
-    if 0 < sp.top_k < vocab:
-        kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= sp.top_p
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    return x
-
-
-def probs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
-    """Processed next-token distribution, float32 (greedy: the plain softmax, which confidence-style policies
-    and logprobs read)."""
-    return torch.softmax(processed(logits, sp), dim=-1)
-
-
-def logprobs(logits: torch.Tensor, sp: SamplingParams | Rows) -> torch.Tensor:
-    """log `probs`, computed stably."""
-    return torch.log_softmax(processed(logits, sp), dim=-1)
-
-
-def _row_processed(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """`processed` with each row's own temperature, top-k and top-p (greedy rows: temperature 1, no cut)."""
-    x = logits.float()
-    shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+    shape = (rows.temperature.shape[0],) + (1,) * (x.dim() - 1)
     x = x / rows.temperature.view(shape)
     if rows.any_top_k or rows.any_top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
@@ -109,21 +85,31 @@ def _row_processed(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
             x = x.masked_fill(x < kth, float("-inf"))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         if rows.any_top_p:
+            # drop a token when the mass strictly before it already reaches top_p (the first always stays)
             sorted_p = torch.softmax(sorted_x, dim=-1)
             drop = (sorted_p.cumsum(-1) - sorted_p) >= rows.top_p.view(shape)
             x = torch.empty_like(x).scatter_(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     return x
 
 
-def choose(logits: torch.Tensor, dist: torch.Tensor | None, u: torch.Tensor | None, rows: SamplingParams | Rows):
+def probs(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Processed next-token distribution, float32 (greedy: the plain softmax, which confidence-style policies
+    and logprobs read)."""
+    return torch.softmax(processed(logits, rows), dim=-1)
+
+
+def logprobs(logits: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """log `probs`, computed stably."""
+    return torch.log_softmax(processed(logits, rows), dim=-1)
+
+
+def choose(logits: torch.Tensor, dist: torch.Tensor | None, u: torch.Tensor | None, rows: Rows) -> torch.Tensor:
     """Each row's token from logits [n, vocab]: its argmax for greedy rows, a draw from `dist` with `u` [n]
     for the others."""
     if rows.greedy:
         return logits.argmax(-1)
     drawn = sample(dist, u)
-    if isinstance(rows, Rows) and rows.any_greedy:
-        return torch.where(rows.greedy_rows, logits.argmax(-1), drawn)
-    return drawn
+    return per_row(rows, logits.argmax(-1), drawn) if rows.any_greedy else drawn
 
 
 def sample(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -155,13 +141,11 @@ def coupled(logits: torch.Tensor, rows: Rows, noise: torch.Tensor) -> torch.Tens
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # key increments
 _U32 = 0xFFFFFFFF
-NOISE_VERSION = 2  # coupled sampling's noise: 2 = `gumbel` below (1: numpy's Philox-4x64 on the host, by position)
 
 
 def _pass_blocks(device: torch.device) -> int:
-    """Philox blocks `gumbel` draws per pass: on a CPU 2^15 a thread (cache-sized: the fastest of 2^15..2^21 at 1,
-    4 and 16 threads on a 16-core host), elsewhere 2^22 (it bounds a pass's memory: 0.8 GiB at the peak, the
-    output included, at batch 64, width 9 and a 128k vocabulary on an H100)."""
+    """Philox blocks `gumbel` draws per pass: on a CPU 2^15 a thread (cache-sized), elsewhere 2^22 (it bounds a
+    pass's memory); bench/results/README.md has the timings that chose them."""
     return (1 << 15) * torch.get_num_threads() if device.type == "cpu" else 1 << 22
 
 

@@ -19,15 +19,11 @@ conditional verification). A node is accepted when it and all its ancestors pass
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import sampling
 from .sampling import Rows
-
-if TYPE_CHECKING:
-    from .config import SamplingParams
 
 
 @dataclass
@@ -89,7 +85,7 @@ def conditional_pass(dist: torch.Tensor, tokens: torch.Tensor, alpha: float, bet
 
 
 def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
-                lengths: torch.Tensor, max_depth: int, sp: SamplingParams | Rows, u: torch.Tensor | None,
+                lengths: torch.Tensor, max_depth: int, rows: Rows, u: torch.Tensor | None,
                 relaxed: torch.Tensor | None = None, conditional: tuple[float, float] | None = None,
                 best: torch.Tensor | None = None) -> TreeVerdict:
     """logits [n, T+1, vocab] at the root and nodes 1..T; tokens, parent, depth [n, T]; lengths [n] valid
@@ -99,16 +95,16 @@ def verify_tree(logits: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor
     dev = logits.device
     d = max_depth
     par, dep = with_root(parent), with_root(depth)
-    if sp.greedy or (isinstance(sp, Rows) and sp.any_greedy):
+    if rows.any_greedy:
         best = logits.argmax(-1) if best is None else best  # [n, T+1]
-    if sp.greedy:
+    if rows.greedy:
         y = best
         dist = torch.softmax(logits.float(), -1) if conditional else None
     else:  # a draw from p at every node (greedy rows of a mixed batch: their argmax)
-        dist = sampling.probs(logits, sp)
+        dist = sampling.probs(logits, rows)
         y = sampling.sample(dist.flatten(0, 1), u.gather(1, dep).flatten()).view(n, t + 1)
-        if isinstance(sp, Rows) and sp.any_greedy:
-            y = torch.where(sp.greedy_rows[:, None], best, y)
+        if rows.any_greedy:
+            y = sampling.per_row(rows, best, y)
     valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
     ok = valid & (tokens == y.gather(1, parent))
     if conditional is not None and relaxed is not None and t:

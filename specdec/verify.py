@@ -8,11 +8,12 @@ Terms (Leviathan et al. 2023; Chen et al. 2023), per row:
 Each round emits accepted + 1 tokens. Greedy accepts while x_i == argmax p_i.
 A deterministic proposer (prompt lookup) gives no q: q is a point mass on x_i.
 
-A rule is an object the engine picks once (`make_rule`) and calls every round with the target's logits
-over [pending, draft] and the draft: `ChainRule` (the lossless rule for a draft model), `FuzzyRule`
-(FSD: close distributions pass outright), `TreeRule` (lossless, for token trees and prompt lookup's
-chains), `ConditionalRule` (AASD: likely prompt tokens pass). Each row is verified by its own sampling
-settings (`Rows`): greedy rows by argmax, the others by sampling.
+A rule is an object the engine picks once (the method's, specdec/choices.py) and calls every round with the
+target's logits over [pending, draft], the draft, the rows' sampling settings and the round's randomness:
+`ChainRule` (the lossless rule for a draft model), `FuzzyRule` (FSD: close distributions pass outright),
+`TreeRule` (lossless, for token trees and prompt lookup's chains), `ConditionalRule` (AASD: likely prompt tokens
+pass); `CoupledRule` wraps any lossless one for coupled sampling. Each row is verified by its own sampling
+settings (`Rows`): greedy rows by argmax, the others by sampling. A rule knows nothing of the batch or the models.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import sampling, trees
-from .sampling import Rows
+from .sampling import Draws, Rows
 
 if TYPE_CHECKING:
-    from .config import SpecConfig
     from .proposers.base import Draft
 
 
@@ -69,39 +69,32 @@ def verify_lossless(
     p: torch.Tensor,  # [n, K+1, vocab] processed target distributions, float32
     draft_tokens: torch.Tensor,  # [n, K]
     lengths: torch.Tensor,  # [n]
-    q_probs: torch.Tensor | None,  # [n, K, vocab] draft distributions the tokens were sampled from; None = point mass
+    q_probs: torch.Tensor | None,  # [n, K, vocab] draft distributions the tokens were sampled from (None when K = 0)
     u_accept: torch.Tensor,  # [n, K] uniforms for the acceptance tests
     u_sample: torch.Tensor,  # [n] uniform for the recovered / bonus token
     also: torch.Tensor | None = None,  # [n, K] tokens that pass whatever the rule says (fuzzy verification)
 ) -> Verdict:
+    """Speculative sampling of chains drawn from q. A drafter without q (point masses: prompt lookup) is verified
+    as a tree instead (`TreeRule`)."""
     n, k = draft_tokens.shape
+    if k == 0:  # nothing drafted: the bonus token alone
+        return Verdict(torch.zeros_like(lengths), sampling.sample(p[:, 0], u_sample))
     rows = torch.arange(n, device=p.device)
     p_x = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [n, K]
-    if q_probs is None:
-        ratio = p_x  # q(x) = 1
-    else:
-        q_x = q_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
+    q_x = q_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
     passed = u_accept[:, :k] <= ratio  # accept x_i with probability min(1, p/q)
     accepted = _leading(passed if also is None else passed | also, lengths)
 
     base = p[rows, accepted]  # [n, vocab]: p at the first rejected position, or p_{k+1} (bonus)
     rejected = accepted < lengths
-    if k > 0:
-        at = accepted.clamp(max=k - 1)
-        if q_probs is None:
-            q_at = torch.zeros_like(base).scatter_(1, draft_tokens[rows, at][:, None], 1.0)
-        else:
-            q_at = q_probs[rows, at]
-        residual = (base - q_at).clamp_min_(0.0)
-        mass = residual.sum(-1, keepdim=True)
-        # residual renormalised by its sum (sample() needs no normalisation); p itself if it is all zero
-        residual = torch.where(mass > 0, residual, base)
-        dist = torch.where(rejected[:, None], residual, base)
-    else:
-        dist = base
-    next_token = sampling.sample(dist, u_sample)
-    return Verdict(accepted, next_token)
+    q_at = q_probs[rows, accepted.clamp(max=k - 1)]
+    residual = (base - q_at).clamp_min_(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # residual renormalised by its sum (sample() needs no normalisation); p itself if it is all zero
+    residual = torch.where(mass > 0, residual, base)
+    dist = torch.where(rejected[:, None], residual, base)
+    return Verdict(accepted, sampling.sample(dist, u_sample))
 
 
 def divergence(p: torch.Tensor, q: torch.Tensor, kind: str) -> torch.Tensor:
@@ -130,12 +123,14 @@ def fuzzy_pass(target_logits: torch.Tensor, raw_q: torch.Tensor, kind: str, thre
 
 class Rule:
     name = "lossless"  # what a row's `verification` column says
+    reads_raw_q = False  # reads the draft's raw distributions (`Draft.raw_q`): the drafter keeps them
+    coupled = False  # verifies sampled rows on Gumbel noise by position (`Draws.noise`) instead of uniforms
 
-    def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, u: torch.Tensor | None,
+    def __call__(self, logits: torch.Tensor, draft: Draft, rows: Rows, draws: Draws,
                  best: torch.Tensor | None = None) -> Verdict:
-        """logits [n, T+1, vocab]: the target at the pending token and at each drafted token; u [n, M+1] (None
-        when every row is greedy): column i < M tests position i, column M draws the recovered / bonus token;
-        best [n, T+1]: the logits' argmax (`scan`), when the caller has it."""
+        """logits [n, T+1, vocab]: the target at the pending token and at each drafted token; `draws`: the round's
+        randomness (its `rule` uniforms, or noise); best [n, T+1]: the logits' argmax (`scan`), when the caller has
+        it."""
         raise NotImplementedError
 
 
@@ -146,18 +141,19 @@ class ChainRule(Rule):
         """[n, K]: tokens accepted whatever the lossless test says (None: none)."""
         return None
 
-    def __call__(self, logits, draft, rows, u, best=None):
+    def __call__(self, logits, draft, rows, draws, best=None):
         k = draft.tokens.shape[1]
         also = self.passes(logits, draft) if k else None
         greedy = verify_greedy(logits, draft.tokens, draft.lengths, also, best) if rows.any_greedy else None
         if rows.greedy:
             return greedy
+        u = draws.rule
         p = sampling.probs(logits, rows)  # [n, K+1, vocab]
         v = verify_lossless(p, draft.tokens, draft.lengths, draft.q, u[:, :k], u[:, -1], also)
         if greedy is None:
             return v
-        g = rows.greedy_rows  # a mixed batch: each row by its own rule
-        return Verdict(torch.where(g, greedy.accepted, v.accepted), torch.where(g, greedy.next_token, v.next_token))
+        return Verdict(sampling.per_row(rows, greedy.accepted, v.accepted),
+                       sampling.per_row(rows, greedy.next_token, v.next_token))
 
 
 class FuzzyRule(ChainRule):
@@ -165,6 +161,7 @@ class FuzzyRule(ChainRule):
     threshold; elsewhere the lossless rule decides."""
 
     name = "fuzzy"
+    reads_raw_q = True
 
     def __init__(self, divergence: str, threshold: float):
         self.divergence, self.threshold = divergence, threshold
@@ -175,15 +172,17 @@ class FuzzyRule(ChainRule):
 
 class TreeRule(Rule):
     """Token trees (a chain is a tree): a node passes when it is the target's choice at its parent (argmax, or
-    a draw from p with the row's uniform for that depth); the deepest path of passing nodes is accepted."""
+    a draw from p with the row's uniform for that depth); the deepest path of passing nodes is accepted. A drafter
+    without q (prompt lookup's point masses) is verified by it, chains included."""
 
     conditional: tuple[float, float] | None = None
 
-    def __call__(self, logits, draft, rows, u, best=None):
+    def __call__(self, logits, draft, rows, draws, best=None):
         n, t = draft.tokens.shape
         tree = draft.tree
         parent, depth = (tree.parent, tree.depth) if tree is not None else trees.chain(n, t, logits.device)
         d = draft.depth
+        u = draws.rule
         v = trees.verify_tree(logits, draft.tokens, parent, depth, draft.lengths, d, rows,
                               None if u is None else u[:, : d + 1], draft.relaxed, self.conditional, best)
         return Verdict(v.accepted, v.next_token, v.path if tree is not None else None)
@@ -198,10 +197,25 @@ class ConditionalRule(TreeRule):
         self.conditional = (alpha, beta)
 
 
-def make_rule(spec: SpecConfig) -> Rule:
-    """The rule of an engine: prompt lookup's drafts are trees (chains included), a draft model's chains."""
-    if spec.method == "prompt_lookup":
-        c = spec.conditional_rule
-        return ConditionalRule(*c) if c is not None else TreeRule()
-    f = spec.fuzzy_rule
-    return FuzzyRule(f.divergence, f.threshold) if f is not None else ChainRule()
+class CoupledRule(Rule):
+    """Coupled sampling around a lossless rule: each sampled row's processed logits plus the Gumbel noise of the
+    position each node predicts (`Draws.noise`; a node at depth d predicts the row's position lens + d), verified
+    as greedy rows are. A sampled row's tokens are then the argmax of its perturbed logits at each position:
+    plain decoding's with its seed, whatever was drafted."""
+
+    coupled = True
+
+    def __init__(self, rule: Rule):
+        self.rule, self.name, self.reads_raw_q = rule, rule.name, rule.reads_raw_q
+
+    def __call__(self, logits, draft, rows, draws, best=None):
+        if draws.noise is None:  # every row greedy
+            return self.rule(logits, draft, rows, draws, best)
+        n, k = draft.tokens.shape
+        noise = draws.noise
+        if draft.tree is None:
+            noise = noise[:, : k + 1]
+        else:
+            depth = trees.with_root(draft.tree.depth)  # [n, T+1]
+            noise = noise.gather(1, depth[..., None].expand(-1, -1, noise.shape[-1]))
+        return self.rule(sampling.coupled(logits, rows, noise), draft, sampling.as_greedy(rows), draws, None)

@@ -52,11 +52,10 @@ def flat_profile(max_width: int = 65) -> Profile:
 def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), **spec) -> SpecEngine:
     """An engine with the job's default policy unless `spec` names another. goodput (the default) gets
     `flat_profile` and a clock that ticks once per round, so it drafts, the same way on any machine."""
-    eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method=method, **spec), batch_size=bs, profile=flat_profile())
     ticks = itertools.count()
-    eng.clock = lambda: float(next(ticks))
-    return eng
+    return SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
+                      SpecConfig(method=method, **spec), batch_size=bs, profile=flat_profile(),
+                      clock=lambda: float(next(ticks)))
 
 
 def run(target, draft, prompts, method="draft_model", bs=8, k=None, max_new=MAX_NEW, stop=(), **spec):

@@ -7,7 +7,7 @@ from specdec.config import SpecConfig
 from specdec.costmodel import CostModel, Profile
 from specdec.policies import BatchView, PolicyEnv, RoundResult
 from specdec.policies.goodput import GoodputLength
-from specdec.slots import Slots
+from specdec.batch import Slots
 
 
 def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:
@@ -53,7 +53,7 @@ def tree_policy(width_cost, m: int = 8, s: int = 2, n: int = 8) -> GoodputLength
     profile = Profile(draft_one={b: 0.0 for b in (1, 8)}, draft_two={b: 0.0 for b in (1, 8)},
                       target={b: {w: width_cost(w) for w in widths} for b in (1, 8)})
     spec = SpecConfig(method="prompt_lookup", max_draft_tokens=m, prompt_lookup={"alignment_sampling": s})
-    pol = attached(GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64)), n)
+    pol = attached(GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64, siblings=s)), n)
     pol.emitted[:n] = np.arange(n)  # rows apart: round times alone decide
     return pol
 

@@ -106,19 +106,19 @@ def test_mismatched_pair_refused(target):
 
 
 def test_verify_widths_explore_then_pad_only_when_measured_cheaper():
-    from specdec.widths import VerifyWidths
+    from specdec.costmodel import TUNING, VerifyWidths
 
     w = VerifyWidths(max_width=9)
     assert w.choose(1, 1) == 1  # a plain decoding step is never padded
-    cost = {3: 0.081, 4: 0.064, 5: 0.065, 6: 0.070, 7: 0.086}  # the CPU shapes of the module docstring
+    cost = {3: 0.081, 4: 0.064, 5: 0.065, 6: 0.070, 7: 0.086}  # a CPU's measured widths (bench/results/README.md)
     tried = []
     for _ in range(10):
         width = w.choose(1, 3)
         tried.append(width)
         w.observe(1, width, cost[width])
-    reach = range(3, 3 + VerifyWidths.max_pad + 1)  # widths 3..7
+    reach = range(3, 3 + TUNING.pad + 1)  # widths 3..7
     assert tried == sorted(tried) and set(tried) == set(reach)  # the reachable widths, smallest first ...
-    assert all(tried.count(width) == VerifyWidths.samples for width in reach)  # ... each timed `samples` times
+    assert all(tried.count(width) == TUNING.width_samples for width in reach)  # ... each timed `width_samples` times
     assert w.choose(1, 3) == 4  # 64 ms < 0.95 * 81 ms
     for width in (5, 6, 7, 8, 9):
         for _ in range(2):
@@ -138,9 +138,10 @@ def test_padded_verification_changes_nothing_but_the_shape(target, drafts, promp
     spec = dict(method="draft_model", num_draft_tokens=3, draft_length="heuristic", max_draft_tokens=8)
     plain = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(verify_padding=False, **spec), batch_size=4)
     padded = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(**spec), batch_size=4)
-    padded.widths.choose = lambda n, w0: w0 if w0 == 1 else min(w0 + 3, padded.widths.max_width)
+    widths = padded.context.widths
+    widths.choose = lambda n, w0: w0 if w0 == 1 else min(w0 + 3, widths.max_width)
     a, b = plain.generate(prompts), padded.generate(prompts)
-    assert plain.widths is None
-    assert any(width > 4 for (_, width) in padded.widths.times)  # rounds really ran wider
+    assert plain.context.widths is None
+    assert any(width > 4 for (_, width) in widths.times)  # rounds really ran wider
     for x, y in zip(a, b):
         assert (x.token_ids, x.draft_lengths, x.accept_lengths) == (y.token_ids, y.draft_lengths, y.accept_lengths)

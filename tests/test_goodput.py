@@ -7,10 +7,9 @@ import pytest
 from engine_models import MAX_NEW, check_stats, pair, run
 from policy_sim import drive, drive_trees, policy, table_profile, tree_policy
 from specdec.config import SamplingParams, SpecConfig
-from specdec.costmodel import CostModel, Profile, expected_tokens
+from specdec.costmodel import TUNING, CostModel, Profile, VerifyWidths, expected_tokens
 from specdec.engine import SpecEngine
 from specdec.policies import BatchView, RoundResult
-from specdec.policies.goodput import GoodputLength
 
 
 def best_length(cost: dict[int, float], rate: float) -> int:
@@ -24,7 +23,7 @@ def test_profile_predicts_rounds_and_round_trips_json(tmp_path):
                 draft_prefill=0.02, hardware="test")
     assert p.drafting(1, 3) == pytest.approx(0.010 + 2 * 0.004)  # one catch-up forward, then steps
     assert p.round(1, 1) == pytest.approx(0.010 + 0.060)
-    assert p.round(1, 1, pad=1) == pytest.approx(0.010 + 0.055)  # padding runs width 2 at width 3's cost
+    assert p.round(1, 1, width=3) == pytest.approx(0.010 + 0.055)  # a round verified at a wider width
     assert p.round(8, 4) == pytest.approx(0.020 + 3 * 0.010 + 0.090)  # untimed width: the widest, a lower bound
     assert p.round(4, 1) == p.round(8, 1)  # an untimed bucket borrows the nearest one
     p.save(str(tmp_path / "p.json"))
@@ -54,6 +53,23 @@ def test_cost_model_follows_the_level_and_corrects_a_length():
     assert model.seconds(1, 0) == pytest.approx([1.0])  # another bucket keeps its own level
 
 
+def test_goodput_prices_a_round_at_the_width_the_engine_verifies_it_at():
+    """A chain round costs the profile's time at the width verify padding will run it at: unpadded until live
+    timings found a wider width cheaper by the margin, then that width; never the profile's cheapest width in
+    reach (here 4) when the engine would not run it."""
+    profile = Profile(draft_one={1: 0.0}, draft_two={1: 0.0}, target={1: {1: 1.0, 2: 1.2, 3: 1.5, 4: 1.1, 5: 1.4}})
+    widths = VerifyWidths(max_width=5)
+    model = CostModel(profile, widths)
+    assert model.width(1, 2) == 3 and model.seconds(1, 2)[2] == pytest.approx(1.5)  # nothing timed live: width 3
+    for w, t in {3: 1.5, 4: 1.45, 5: 1.0}.items():  # live: 4 within the margin of 3's time, 5 far cheaper
+        for _ in range(TUNING.width_samples):
+            widths.observe(1, w, t)
+    assert widths.choose(1, 3) == model.width(1, 2) == 5
+    assert model.seconds(1, 2)[2] == pytest.approx(1.4)  # the profile's time at width 5, the one that runs
+    model.observe(1, 2, 2.8, width=5)  # a live round at twice that: the level follows it
+    assert model.seconds(1, 2)[2] == pytest.approx(2.8)
+
+
 @pytest.mark.parametrize("cost,rate", [
     ({0: 1.0, 1: 1.25, 2: 1.45, 3: 1.9, 4: 2.4}, 0.7),  # K=2 earns the most per second
     ({0: 1.0, 1: 2.0, 2: 2.6, 3: 3.2, 4: 3.8}, 0.5),  # compute-bound: every drafting length loses
@@ -72,7 +88,7 @@ def test_a_slow_first_measurement_does_not_lock_a_choice_in():
     truth = {0: 1.0, 1: 1.2, 2: 2.2}
     pol = policy(table_profile({0: 1.0, 1: 1.6, 2: 2.2}))
     chosen = drive(pol, 8, truth, 0.4, 300)
-    assert chosen.index(1) >= GoodputLength.refresh  # 1.4 tokens per 1.6 s lose to 1 per 1 s until K=1 is re-timed
+    assert chosen.index(1) >= TUNING.refresh  # 1.4 tokens per 1.6 s lose to 1 per 1 s until K=1 is re-timed
     assert chosen[150:].count(1) >= 0.85 * 150
 
 
@@ -191,16 +207,15 @@ def test_a_slowdown_during_a_few_timings_biases_no_width(target, drafts, monkeyp
     now, widths = [0.0], []
     verify = Rounds.verify
 
-    def timed(self, n, draft, width, u):
-        out = verify(self, n, draft, width, u)
+    def timed(self, n, draft, width, rows, draws):
+        out = verify(self, n, draft, width, rows, draws)
         widths.append(width)
         now[0] += width * (3.0 if len(widths) <= 4 else 1.0)
         return out
 
     monkeypatch.setattr(Rounds, "verify", timed)
     eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
-                     SpecConfig(method="prompt_lookup", max_draft_tokens=4), batch_size=1)
-    eng.clock = lambda: now[0]
+                     SpecConfig(method="prompt_lookup", max_draft_tokens=4), batch_size=1, clock=lambda: now[0])
     eng.measure_costs()
     assert widths[:4] == [1, 1, 2, 2]  # both samples of widths 1 and 2 ran slow
     assert len(eng.profile.target[1]) >= 3
@@ -215,14 +230,14 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
     (a wrong draft cache would propose other tokens), and output stays equal to plain greedy. Rounds run
     on a clock that ticks once per round: every length costs the same, so drafting always pays."""
     from specdec.proposers.draft_model import DraftModelProposer
+    ticks = iter(range(1 << 20))
     eng = SpecEngine(pair(target, drafts[kind]), SamplingParams(max_new_tokens=MAX_NEW),
                      SpecConfig(max_draft_tokens=4), batch_size=3,
-                     profile=table_profile({k: 1.0 for k in range(5)}, buckets=(1, 2, 4)))
-    ticks = iter(range(1 << 20))
-    eng.clock = lambda: float(next(ticks))
+                     profile=table_profile({k: 1.0 for k in range(5)}, buckets=(1, 2, 4)),
+                     clock=lambda: float(next(ticks)))
     pol = eng.measure_costs()
-    pol.best[4] = 0  # off when the first rows join ...
-    pol.pair[:] = [99.0, 100.0]  # ... but drafting pays from the first round
+    pol.choice[4] = 0  # off when the first rows join ...
+    pol.pair_accepted, pol.pair_tested = 99.0, 100.0  # ... but drafting pays from the first round
     joined = []
     admit = DraftModelProposer.admit
 
@@ -292,7 +307,7 @@ def test_goodput_finds_drafting_that_pays_from_a_profile_that_says_k0(n, profile
     chosen = np.array(drive(pol, n, truth, rate, 1000))
     tokens = expected_tokens(np.array([rate]), 4)[0]
     gain = {k: tokens[k] / truth[k] for k in truth}
-    assert np.flatnonzero(chosen)[0] <= GoodputLength.refresh + 2
+    assert np.flatnonzero(chosen)[0] <= TUNING.refresh + 2
     assert np.mean([gain[k] for k in chosen[500:]]) >= 0.95 * max(gain.values())
 
 

@@ -183,8 +183,51 @@ def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
         ["generation.seed", "speculation.max_draft_tokens"]
 
 
+def test_settings_the_choices_ignore_keep_the_fingerprint(tmp_path, tiny_pair):
+    """A setting that the config's method or policy never reads changes no row: goodput reads no
+    num_draft_tokens, draft_model no prompt_lookup, method none no drafting setting. Changing one keeps the
+    fingerprint, and an output recorded with another value (a manifest written before such settings were left
+    out) resumes; under a policy that reads it, it is refused, named."""
+    from jobs.manifest import MANIFEST, prepare_output
+    from workers.storage import open_storage
+    path, _ = config(tmp_path, tiny_pair, rows_of(2))
+    base = load_spec(path, ["speculation.draft_length=goodput"])
+    for key, value in (("speculation.num_draft_tokens", 5), ("speculation.confidence_threshold", 0.7),
+                       ("speculation.prompt_lookup.max_ngram", 3)):
+        assert load_spec(path, ["speculation.draft_length=goodput", f"{key}={value}"]).fingerprint() == \
+            base.fingerprint(), key
+    plain = ["speculation.method=none"]
+    assert load_spec(path, plain + ["speculation.max_draft_tokens=3", "speculation.draft_length=fixed"]).fingerprint() \
+        == load_spec(path, plain).fingerprint()
+    fixed = load_spec(path, ["speculation.draft_length=fixed"])
+    assert load_spec(path, ["speculation.draft_length=fixed", "speculation.num_draft_tokens=5"]).fingerprint() != \
+        fixed.fingerprint()
+
+    five = load_spec(path, ["speculation.draft_length=goodput", "speculation.num_draft_tokens=5"])
+    storage = open_storage(five.output.path)
+    manifest = prepare_output(five, storage, [], 0, [], overwrite=False)
+    manifest["fingerprint"] = "of an older release, num_draft_tokens in it"
+    storage.put(MANIFEST, json.dumps(manifest).encode())
+    assert prepare_output(base, storage, [], 0, [], overwrite=False)["fingerprint"] == base.fingerprint()
+    with pytest.raises(JobError, match=r"changed: speculation\.draft_length, speculation\.num_draft_tokens"):
+        prepare_output(load_spec(path, ["speculation.draft_length=fixed", "speculation.num_draft_tokens=3"]),
+                       storage, [], 0, [], overwrite=False)
+
+
+def test_parsing_a_job_imports_no_torch(tmp_path, tiny_pair):
+    """The config's choices (methods, policies) come from a module that imports nothing heavy: validating a job,
+    its fingerprint included, loads no torch (in a fresh interpreter)."""
+    import subprocess
+    import sys
+    path, _ = config(tmp_path, tiny_pair, rows_of(2))
+    code = ("import sys, jobs.spec; s = jobs.spec.load_spec(sys.argv[1], ['speculation.method=prompt_lookup']); "
+            "s.fingerprint(); jobs.spec.config_reference(); "
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith(('specdec', 'workers'))]")
+    subprocess.run([sys.executable, "-c", code, path], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
 def test_coupled_jobs_fingerprint_their_noise_version(tmp_path, tiny_pair, monkeypatch):
-    """Coupled sampling's samples change with its noise (specdec.sampling.NOISE_VERSION): an output begun under
+    """Coupled sampling's samples change with its noise (specdec.choices.COUPLED_NOISE_VERSION): an output begun under
     another version, or before versions were recorded, is refused naming it; other jobs' fingerprints ignore it."""
     import jobs.spec
     from jobs.manifest import MANIFEST, prepare_output
@@ -193,11 +236,11 @@ def test_coupled_jobs_fingerprint_their_noise_version(tmp_path, tiny_pair, monke
     plain, coupled = load_spec(path), load_spec(path, ["speculation.sampling=coupled"])
     storage = open_storage(coupled.output.path)
     manifest = prepare_output(coupled, storage, [], 0, [], overwrite=False)
-    assert manifest["versions"] == {"coupled_noise": jobs.spec.NOISE_VERSION}
+    assert manifest["versions"] == {"coupled_noise": jobs.spec.COUPLED_NOISE_VERSION}
     storage.put(MANIFEST, json.dumps(manifest).encode())
     assert prepare_output(coupled, storage, [], 0, [], overwrite=False)["fingerprint"] == manifest["fingerprint"]
     before = plain.fingerprint()
-    monkeypatch.setattr(jobs.spec, "NOISE_VERSION", jobs.spec.NOISE_VERSION + 1)
+    monkeypatch.setattr(jobs.spec, "COUPLED_NOISE_VERSION", jobs.spec.COUPLED_NOISE_VERSION + 1)
     assert plain.fingerprint() == before and coupled.fingerprint() != manifest["fingerprint"]
     with pytest.raises(JobError, match=f"coupled_noise version {manifest['versions']['coupled_noise']} -> "):
         prepare_output(coupled, storage, [], 0, [], overwrite=False)

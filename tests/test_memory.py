@@ -283,7 +283,7 @@ def test_rows_past_the_position_table_are_refused_before_they_run(short_context,
     spec = SpecConfig(method=method, max_draft_tokens=4, num_draft_tokens=1, draft_length="fixed")
     eng = SpecEngine(pair(short_context, short_context if method == "draft_model" else None),
                      SamplingParams(max_new_tokens=16), spec, batch_size=2, profile=flat_profile())
-    eng.widths.times = {(b, w): [1.0 if w == 5 else 2.0] * 2 for b in (1, 2) for w in range(1, 6)}  # 5 is cheapest
+    eng.context.widths.times = {(b, w): [1.0 if w == 5 else 2.0] * 2 for b in (1, 2) for w in range(1, 6)}  # 5 is cheapest
     room = eng.max_prompt_tokens(None)
     assert room == 64 - 16 - eng.spec.max_nodes - 2 == 42
     pattern = [5, 17, 33, 2, 60, 71, 9]  # repeated, so that prompt lookup finds drafts

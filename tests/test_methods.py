@@ -8,8 +8,10 @@ import torch
 from pydantic import ValidationError
 
 from engine_models import noisy_copy, pair, tiny_llama
+from specdec.batch import Slots
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
+from specdec.sampling import Rows
 from specdec.trees import tree_inputs, verify_tree
 
 NEW = 40
@@ -79,8 +81,8 @@ def test_sampled_tree_verification_draws_from_the_target():
     p = torch.softmax(logits[0], -1)
     tokens = torch.tensor([[2, 3, 5]]).expand(n, 3)  # node 1 (2) and node 3 (5) children of the root, 2 (3) of 1
     parent, depth = torch.tensor([[0, 1, 0]]).expand(n, 3), torch.tensor([[1, 2, 1]]).expand(n, 3)
-    sp = SamplingParams(temperature=1.0)
-    v = verify_tree(logits, tokens, parent, depth, torch.full((n,), 3), 2, sp, torch.rand(n, 3))
+    rows = Rows.of(SamplingParams(temperature=1.0))
+    v = verify_tree(logits, tokens, parent, depth, torch.full((n,), 3), 2, rows, torch.rand(n, 3))
     first = torch.where(v.accepted >= 1, tokens.gather(1, (v.path[:, :1] - 1).clamp(min=0)).squeeze(1), v.next_token)
     emp = torch.bincount(first, minlength=vocab).float() / n
     assert (emp - p[0]).abs().max() < 0.012
@@ -151,7 +153,7 @@ def test_pool_merges_every_occurrence_into_one_tree():
     from specdec.proposers.prompt_lookup import PromptLookupProposer
 
     tokens = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]  # "1 2" is followed by 3 9 1 / 4 9 1 / 3 5 1
-    prop = PromptLookupProposer(SimpleNamespace(rows=[SimpleNamespace(tokens=tokens)], capacity=1),
+    prop = PromptLookupProposer(SimpleNamespace(rows=[SimpleNamespace(tokens=tokens)], slots=Slots(1, "cpu")),
                                 PromptLookupConfig(alignment_sampling=2))
     prop.admit(0, 1)
 
@@ -174,7 +176,8 @@ def test_prompt_lookup_reach_is_the_text_after_the_match():
     from specdec.proposers.prompt_lookup import PromptLookupProposer
 
     rows = [SimpleNamespace(tokens=[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]), SimpleNamespace(tokens=[7, 8])]
-    prop = PromptLookupProposer(SimpleNamespace(rows=rows, capacity=2), PromptLookupConfig(alignment_sampling=2))
+    prop = PromptLookupProposer(SimpleNamespace(rows=rows, slots=Slots(2, "cpu")),
+                                PromptLookupConfig(alignment_sampling=2))
     prop.admit(0, 2)
     assert prop.reach(2).tolist() == [[4, 12, 12], [0, 0, 0]]  # "1 2" is followed at 2, 6 and 10
     for k in (2, 4, 8):
@@ -206,3 +209,23 @@ def test_alignment_top_ids_are_each_rows_own(target, prompts):
             want = target(input_ids=torch.tensor([p])).logits[0, :, : eng.vocab_size].topk(3, dim=-1).indices
         assert torch.equal(ids[i, : len(p)], want)
         assert not ids[i, len(p):].any()
+
+
+def test_a_method_is_decided_in_its_table_entry_alone():
+    """specdec/choices.py is the one place a method is compared by name: no other module of the engine, the workers
+    or the jobs reads `.method ==`, `.method !=` or `.method in` (each asks the method's entry), and every entry
+    answers what the others ask of it."""
+    import re
+    from pathlib import Path
+
+    from specdec.choices import METHODS
+    root = Path(__file__).resolve().parents[1]
+    compared = [f"{path.relative_to(root)}:{i}" for folder in ("specdec", "workers", "jobs")
+                for path in sorted((root / folder).rglob("*.py")) if path.name != "choices.py"
+                for i, line in enumerate(path.read_text().splitlines(), 1)
+                if re.search(r"\.method\s*(==|!=|\bin\b|\bnot in\b)", line)]
+    assert compared == []
+    spec = SpecConfig(method="prompt_lookup", max_draft_tokens=4, prompt_lookup={"alignment_sampling": 2})
+    assert [(m.drafts, m.draft_model, m.max_nodes(spec.model_copy(update={"method": name}))) for name, m in
+            METHODS.items()] == [(False, False, 0), (True, True, 4), (True, False, 12)]
+    assert METHODS["prompt_lookup"].prompt_top_ids(spec) == 3 and METHODS["draft_model"].prompt_top_ids(spec) == 0

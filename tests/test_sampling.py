@@ -10,7 +10,7 @@ from engine_models import pair, tiny_llama
 from specdec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.slots import Slots
+from specdec.batch import RowSettings, Slots
 
 V, NEW, N = 8, 3, 4000
 PROMPT = [1, 5, 2, 7]
@@ -21,7 +21,7 @@ def exact_distribution(model, sp):
     pairs = list(itertools.product(range(V), repeat=2))
     ids = torch.tensor([PROMPT + [a, b] for a, b in pairs], device=model.device)
     with torch.no_grad():
-        probs = sampling.probs(model(ids).logits, sp).double().cpu()  # [V*V, L+2, V]
+        probs = sampling.probs(model(ids).logits, sampling.Rows.of(sp, model.device)).double().cpu()  # [V*V, L+2, V]
     L = len(PROMPT)
     dist = np.zeros((V, V, V))
     for row, (a, b) in enumerate(pairs):
@@ -137,15 +137,37 @@ def test_rows_with_their_own_settings_share_a_batch(models, method):
         assert tv(empirical(rows), p) <= noise_bound(p, N)
 
 
-def test_row_processing_equals_the_shared_one():
+def plain_processed(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """One setting's processing, written plainly: temperature, then top-k, then top-p (greedy: as they are)."""
+    x = logits.float()
+    if sp.greedy:
+        return x
+    x = x / sp.temperature
+    if 0 < sp.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, sp.top_k, dim=-1).values[..., -1:], float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        sorted_x = sorted_x.masked_fill(p.cumsum(-1) - p >= sp.top_p, float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
+    return x
+
+
+def test_row_processing_equals_the_plain_one_setting_processing():
+    """A batch whose rows have settings of their own processes each row as the plain one-setting processing
+    does; `Rows.of` (one setting for any number of rows) broadcasts it over any shape."""
     logits = torch.randn(5, 3, 40) * 3
-    for sp in (SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.3, top_p=0.6),
-               SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams()):
-        slots = Slots(5, "cpu")
-        rows = sampling.RowSettings(slots, sp)
-        for i in range(5):
-            rows.set(i, sp)
-        assert torch.allclose(sampling.probs(logits, rows.view(5)), sampling.probs(logits, sp), atol=1e-6)
+    sps = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.3, top_p=0.6),
+           SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams(), SamplingParams(temperature=0.7)]
+    settings = RowSettings(Slots(5, "cpu"))
+    for i, sp in enumerate(sps):
+        settings.set(i, sp)
+    mixed = sampling.probs(logits, settings.view(5))
+    for i, sp in enumerate(sps):
+        want = torch.softmax(plain_processed(logits[i], sp), dim=-1)
+        assert torch.allclose(mixed[i], want, atol=1e-6)
+        assert torch.allclose(sampling.probs(logits[i], sampling.Rows.of(sp)), want, atol=1e-6)
+        assert torch.allclose(sampling.probs(logits[i, 0], sampling.Rows.of(sp)), want[0], atol=1e-6)
 
 
 def test_one_scan_gives_the_argmax_and_the_non_finite_check():

@@ -66,10 +66,9 @@ def engine(bpe, method="draft_model", k=None, bs=4, **spec) -> SpecEngine:
     pair = ModelPair(target, draft if method == "draft_model" else None, tok, (tok.eos_token_id,), len(tok))
     if k is not None:
         spec = {"draft_length": "fixed", "num_draft_tokens": k, **spec}
-    eng = SpecEngine(pair, SamplingParams(max_new_tokens=NEW), SpecConfig(method=method, **spec), batch_size=bs,
-                     profile=flat_profile())
-    eng.clock = iter(range(1 << 30)).__next__  # goodput on a clock that ticks per round: it drafts
-    return eng
+    # goodput on a clock that ticks per round: it drafts
+    return SpecEngine(pair, SamplingParams(max_new_tokens=NEW), SpecConfig(method=method, **spec), batch_size=bs,
+                      profile=flat_profile(), clock=iter(range(1 << 30)).__next__)
 
 
 class GrammarMask(LogitsProcessor):
@@ -148,7 +147,7 @@ def exact_constrained(bpe, prompt: list[int], fmt: dict, sp: SamplingParams) -> 
         with torch.no_grad():
             logits = target(torch.tensor([prompt + prefix])).logits[0, -1]
         allowed = GrammarMask(m, 0, len(tok)).allowed()
-        probs = sampling.probs(logits.masked_fill(~allowed, float("-inf")), sp).double()
+        probs = sampling.probs(logits.masked_fill(~allowed, float("-inf")), sampling.Rows.of(sp)).double()
         for t in torch.nonzero(probs > 0).flatten().tolist():
             if t == tok.eos_token_id:
                 out[tuple(prefix + [t])] = p * float(probs[t])
@@ -196,8 +195,7 @@ def test_a_vocabulary_of_whole_mask_words_is_constrained(bpe, prompts):
     pair = ModelPair(target, noisy_copy(target, 0.05), tok, (tok.eos_token_id,), vocab)
     for method in ("draft_model", "prompt_lookup"):
         eng = SpecEngine(pair, SamplingParams(max_new_tokens=NEW), SpecConfig(method=method), batch_size=4,
-                         profile=flat_profile())
-        eng.clock = iter(range(1 << 30)).__next__
+                         profile=flat_profile(), clock=iter(range(1 << 30)).__next__)
         fmts = [FORMATS["person"], FORMATS["date"], FORMATS["color"]]
         results = eng.generate(prompts[:3], params=[SamplingParams(max_new_tokens=NEW, response_format=f)
                                                     for f in fmts])

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from specdec.choices import METHODS
 from specdec.config import Config, ModelsConfig, ModelSource, SamplingParams, SpecConfig
 
 from .inputs import InputSpec
@@ -106,8 +107,8 @@ class WorkerSpec(Config):
 
 
 def models_used(models: ModelsConfig, speculation: SpecConfig) -> dict[str, ModelSource]:
-    """The models a worker loads, by config key: the target, and the draft where `method: draft_model` uses it."""
+    """The models a worker loads, by config key: the target, and the draft where the method runs one."""
     used: dict[str, ModelSource] = {"models.target.path": models.target}
-    if speculation.method == "draft_model" and models.draft is not None:
+    if METHODS[speculation.method].draft_model and models.draft is not None:
         used["models.draft.path"] = models.draft
     return used

@@ -16,7 +16,7 @@ the price of a host sync per draft step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from ..config import SpecConfig
     from ..costmodel import CostModel
-    from ..slots import Slots
+    from ..batch import Slots
 
 
 @dataclass
@@ -32,8 +32,9 @@ class PolicyEnv:
     """What the engine gives the policies it builds."""
 
     device: torch.device | str = "cpu"
-    costs: CostModel | None = None  # measured costs, for a policy that `needs_costs`
+    costs: CostModel | None = None  # measured costs, for a policy that plans from them (`Policy.needs_costs`)
     row_tokens: int = 0  # the tokens a row emits unless it stops early: max_new_tokens
+    siblings: int = 0  # the most siblings per node of the method's token trees (0: chains)
 
 
 @dataclass
@@ -53,10 +54,15 @@ class RoundResult:
     finished: np.ndarray  # [n] bool: rows that leave the batch after this round
     seconds: float | None  # the round's time from plan to read-back; None: no sample of its length's cost
     depth: np.ndarray | None = None  # [n] a token tree's depth per row (None: chains, whose depth is `drafted`)
+    width: int | None = None  # tokens per row its target forward verified (None: the most drafted + 1)
 
     @property
     def depths(self) -> np.ndarray:
         return self.drafted if self.depth is None else self.depth
+
+    @property
+    def verify_width(self) -> int:
+        return self.width if self.width is not None else int(self.drafted.max(initial=0)) + 1
 
 
 class DraftStopper:
@@ -73,7 +79,6 @@ class DraftStopper:
 
 
 class LengthPolicy:
-    needs_costs: ClassVar[bool] = False  # built with the engine's cost model (`SpecEngine.measure_costs`)
     stopper: DraftStopper | None = None
     siblings: int | None = None  # a token tree's most siblings per node in the planned round (None: as configured)
 

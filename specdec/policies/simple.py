@@ -8,6 +8,16 @@ import torch
 from .base import BatchView, DraftStopper, LengthPolicy, RoundResult
 
 
+class NoDrafts(LengthPolicy):
+    """A method that never drafts (plain decoding): every round is a plain one."""
+
+    def plan(self, view: BatchView) -> int:
+        return 0
+
+    def drafts_soon(self, view: BatchView) -> bool:
+        return False
+
+
 class FixedLength(LengthPolicy):
     """`num_draft_tokens` every round."""
 
@@ -78,9 +88,6 @@ class AcceptanceHeadLength(LengthPolicy):
 
     def __init__(self, spec, env=None):
         super().__init__(spec, env)
-        if spec.acceptance_head is None:
-            raise ValueError("speculation.draft_length acceptance_head needs speculation.acceptance_head.path "
-                             "(make one with `specbatch train-head`)")
         from ..head import AcceptanceHead
 
         head = AcceptanceHead.load(spec.acceptance_head.path, self.env.device)

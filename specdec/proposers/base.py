@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..batch import Batch
+    from ..sampling import Draws, Rows
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Draft:
     q: torch.Tensor | None = None  # [n, T, vocab] distributions the tokens were drawn from; None = point mass
     tree: Tree | None = None  # None: each row's tokens are a chain
     forwards: int = 0  # draft-model forwards run for this round (the whole batch takes part)
-    bad: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
+    non_finite: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
     # what relaxed rules read (specdec/verify.py): nodes conditional verification may pass (taken from the
     # prompt), and the draft's raw distributions that fuzzy verification compares with the target's
     relaxed: torch.Tensor | None = None  # [n, T] bool
@@ -49,22 +50,23 @@ class Draft:
 
 
 class Proposer:
-    """Drafts tokens for the active rows [0, n) of a batch; the base class never drafts (method none)."""
+    """Drafts tokens for the active rows [0, n) of a batch; the base class never drafts (method none). What a
+    proposer keeps per row it registers in the batch's `slots`, which move it with its row."""
 
-    prefill_top = 0  # the target's top ids the proposer wants at every prompt position (0: none)
+    prompt_top_ids = 0  # the target's most likely ids the proposer wants at every prompt position (0: none)
 
     def __init__(self, batch: Batch):
         self.batch = batch
 
     def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
         """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
-        prefill_top]: the target's top ids at each prompt position, from its prefill; `drafting`: whether
-        the next round drafts (if not, a drafter may defer work for these rows)."""
+        prompt_top_ids]: the target's most likely ids at each prompt position, from its prefill; `drafting`:
+        whether the next round drafts (if not, a drafter may defer work for these rows)."""
 
-    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:
-        """Draft up to limits[i] tokens for row i of [0, n) (a host array); `u` [n, max_draft_tokens]: the
-        uniforms of rows that sample (None when all are greedy); `siblings`: a token tree's most siblings per
-        node this round (None: the configured most; drafters of chains ignore it)."""
+    def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
+        """Draft up to limits[i] tokens for row i of [0, n) (a host array), by the rows' sampling settings and the
+        round's randomness (`draws.draft`: a uniform per step; or Gumbel noise by position); `siblings`: a token
+        tree's most siblings per node this round (None: the configured most; drafters of chains ignore it)."""
         return Draft.empty(n, self.batch.device)
 
     def reach(self, n: int) -> np.ndarray | None:
@@ -78,10 +80,3 @@ class Proposer:
 
     def rewind(self, n: int) -> None:
         """Rows [0, n) were cut back to `batch.lens`: forget what lies past it (start-up profile)."""
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Row src now lives at dst (swap-remove of a finished row)."""
-
-    def copy_row(self, src: int, dst: int) -> None:
-        """Row dst starts as row src is now (a sample of the same prompt: its prefill shared)."""
-        self.move_row(src, dst)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..batch import Batch
     from ..policies import LengthPolicy
     from ..runner import ModelRunner
+    from ..sampling import Draws, Rows
 
 
 def _full_vocab(q: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
@@ -43,6 +44,7 @@ class DraftModelProposer(Proposer):
         self.raw_q = raw_q  # keep the draft's raw distributions (fuzzy verification compares them)
         self.d_len = batch.slots.add_host("draft_len")  # tokens of the row held in the draft cache
         self.fed_len = batch.slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
+        batch.slots.add_cache(runner.cache, self.d_len)
 
     def admit(self, start: int, end: int, target_top=None, drafting: bool = True) -> None:
         if drafting:
@@ -62,7 +64,7 @@ class DraftModelProposer(Proposer):
         tokens_in = b.seq[:n].gather(1, idx.clamp(max=b.max_len - 1))
         return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
 
-    def propose(self, n: int, limits: np.ndarray, u: torch.Tensor | None = None, siblings: int | None = None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
         b, stop = self.batch, self.stopper
         k_max = int(limits.max()) if n else 0
         self.fed_len[:n] = self.d_len[:n]
@@ -70,8 +72,8 @@ class DraftModelProposer(Proposer):
             return Draft.empty(n, b.device)
         logits, h = self.catch_up(n)
         forwards = 1
-        rows = b.sp.view(n)
-        choice = rows if b.noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
+        noise, u = draws.noise, draws.draft
+        choice = rows if noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
         lens = b.lens[:n]
         self.fed_len[:n] = lens  # the catch-up fed up to the pending token
         limits_dev = b.to_device(limits) if stop is not None or limits.min() != k_max else None
@@ -82,19 +84,19 @@ class DraftModelProposer(Proposer):
         seq_len = b.to_device(lens) if k_max > 1 else None
         grammar = b.constraints if b.constraints is not None and b.constraints.rows(n) else None
         tokens, qs, raws, drawn = [], [], [], []
-        bad = torch.zeros(n, dtype=torch.bool, device=b.device)  # non-finite draft logits (the row fails)
+        non_finite = torch.zeros(n, dtype=torch.bool, device=b.device)  # the row fails
         free = None  # rows a stopper reading fed states stopped: the forward that fed their token drew one more
         for step in range(k_max):
-            plain = grammar is None and b.noise is None and choice.greedy  # the token is the raw logits' argmax
+            plain = grammar is None and noise is None and choice.greedy  # the token is the raw logits' argmax
             if plain:
                 best, finite = scan(logits)  # the argmax and the non-finite check in one pass
             else:
                 best, finite = None, torch.isfinite(logits.amax(-1))
-            bad |= ~finite
+            non_finite |= ~finite
             if grammar is not None:  # constrained rows draw from their masked logits (q is that distribution)
                 logits = logits.masked_fill(~grammar.draft_mask(n, logits.shape[-1]), float("-inf"))
-            if b.noise is not None:  # coupled: the noise of the position this step drafts
-                logits = sampling.coupled(logits, rows, _fit(b.noise[:, step], logits.shape[-1]))
+            if noise is not None:  # coupled: the noise of the position this step drafts
+                logits = sampling.coupled(logits, rows, _fit(noise[:, step], logits.shape[-1]))
             # q: the processed distribution each row's token is drawn from (greedy rows: their argmax)
             q = sampling.probs(logits, choice) if not choice.greedy or (stop is not None and stop.needs_probs) else None
             x = best if plain else sampling.choose(logits, q, None if u is None else u[:, step], choice)
@@ -134,8 +136,8 @@ class DraftModelProposer(Proposer):
         q_probs = _full_vocab(torch.stack(qs, dim=1), b.vocab_size) if qs else None
         raw_q = _full_vocab(torch.stack(raws, dim=1), b.vocab_size) if raws else None
         host = np.array(drawn, dtype=np.int64).T if drawn else None
-        return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, bad=bad, raw_q=raw_q,
-                     host_tokens=host)
+        return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, non_finite=non_finite,
+                     raw_q=raw_q, host_tokens=host)
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
         # the draft cache is right up to the last accepted draft token it was fed
@@ -144,9 +146,6 @@ class DraftModelProposer(Proposer):
     def rewind(self, n: int) -> None:
         # the pending token is never in it
         self.d_len[:n] = np.minimum(self.d_len[:n], self.batch.lens[:n] - 1)
-
-    def move_row(self, src: int, dst: int) -> None:
-        self.runner.cache.move_row(src, dst, int(self.d_len[src]))
 
 
 def _fit(noise: torch.Tensor, vocab: int) -> torch.Tensor:

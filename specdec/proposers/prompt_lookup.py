@@ -59,20 +59,24 @@ class NgramPool:
 
 
 class PromptLookupProposer(Proposer):
-    def __init__(self, batch: Batch, cfg: PromptLookupConfig):
+    def __init__(self, batch: Batch, cfg: PromptLookupConfig, prompt_top_ids: int = 0):
         super().__init__(batch)
         self.cfg = cfg
-        self.prefill_top = cfg.alignment_sampling + 1 if cfg.alignment_sampling else 0
-        self.pools: list[NgramPool | None] = [None] * batch.capacity
-        self.prompt_len = [0] * batch.capacity
-        self.top: list[np.ndarray | None] = [None] * batch.capacity  # [prompt_len - 1, s + 1] target top ids
+        self.prompt_top_ids = prompt_top_ids
+        slots = batch.slots  # a sample sharing a prompt starts with a pool of its own: rows grow apart
+        self.pools: list[NgramPool | None] = slots.add_objects("ngram_pool", lambda src, dst: self.new_pool())
+        self.prompt_len: list[int | None] = slots.add_objects("prompt_len")
+        self.top_ids: list[np.ndarray | None] = slots.add_objects("prompt_top_ids")  # [prompt_len - 1, s + 1]
 
     def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
         for slot in range(start, end):
             row = self.batch.rows[slot]
-            self.pools[slot] = NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
+            self.pools[slot] = self.new_pool()
             self.prompt_len[slot] = len(row.tokens)
-            self.top[slot] = None if target_top is None else target_top[slot - start, : len(row.tokens) - 1]
+            self.top_ids[slot] = None if target_top is None else target_top[slot - start, : len(row.tokens) - 1]
+
+    def new_pool(self) -> NgramPool:
+        return NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
 
     def _row(self, slot: int, k: int, s: int) -> tuple[list[int], list[int], list[int], list[bool]]:
         """Row `slot`'s draft of depth at most k with at most s siblings per node: tokens, parents, depths,
@@ -81,7 +85,7 @@ class PromptLookupProposer(Proposer):
         starts = self.pools[slot].lookup(tokens) if k > 0 else []
         if not starts:
             return [], [], [], []
-        plen, top = self.prompt_len[slot], self.top[slot]
+        plen, top = self.prompt_len[slot], self.top_ids[slot]
         toks, parents, depths, relaxed, src = [], [], [], [], []
         children: dict[int, dict[int, int]] = {0: {}}  # node -> its children's tokens -> node
         budget = k * (1 + s)
@@ -131,7 +135,7 @@ class PromptLookupProposer(Proposer):
                 out[i, 0], out[i, 1:] = len(tokens) - starts[-1], len(tokens) - starts[0]
         return out
 
-    def propose(self, n: int, limits: np.ndarray, u=None, siblings: int | None = None) -> Draft:
+    def propose(self, n: int, limits: np.ndarray, rows=None, draws=None, siblings: int | None = None) -> Draft:
         b = self.batch
         s = self.cfg.alignment_sampling if siblings is None else min(siblings, self.cfg.alignment_sampling)
         rows = [self._row(i, int(limit), s) for i, limit in enumerate(limits.tolist())]
@@ -154,12 +158,4 @@ class PromptLookupProposer(Proposer):
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked
-            self.pools[slot] = NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
-
-    def move_row(self, src: int, dst: int) -> None:
-        for state in (self.pools, self.prompt_len, self.top):
-            state[dst] = state[src]
-
-    def copy_row(self, src: int, dst: int) -> None:
-        self.move_row(src, dst)
-        self.pools[dst] = NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)  # its own: rows grow apart
+            self.pools[slot] = self.new_pool()

@@ -319,10 +319,10 @@ class Rounds:
 
     def jump_forward(self, slots) -> int:
         """Rows whose output format allows exactly one next token take it (and the next, while that holds)
-        without a model call; the target reads them in the next round. Only where the engine speculates: plain
-        decoding (method none) stays one token per target call. Returns the tokens emitted."""
+        without a model call; the target reads them in the next round (under every method, `none` included).
+        Returns the tokens emitted."""
         b = self.b
-        if not self.m or b.constraints is None:
+        if b.constraints is None:
             return 0
         added: dict[int, list[int]] = {}
         for i in slots:

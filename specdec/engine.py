@@ -28,10 +28,11 @@ import torch
 
 from . import llama, memory, profiler
 from .batch import Batch
-from .cache import RaggedKVCache
+from .cache import RaggedKVCache, model_kv_bytes
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, pow2_at_least
 from .models import ModelPair
+from .prefix import Prefixes
 from .policies import LengthPolicy, PolicyEnv, make_policy, policy_class
 from .proposers.base import Proposer
 from .proposers.draft_model import DraftModelProposer
@@ -59,11 +60,13 @@ class SpecEngine:
     """Generation over a model pair. `fast_path=False` runs every model through transformers' own modules
     (no lean Llama forward, no CUDA graphs); `step_graphs` overrides where steps replay captured graphs
     (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
-    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py)."""
+    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py). `prefix_caching`
+    keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values for later rows (specdec/prefix.py; on
+    a GPU within what the memory plan leaves once a batch is sized)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
-                 profile: Profile | None = None):
+                 profile: Profile | None = None, prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if spec.method == "draft_model" and pair.draft is None:
@@ -87,6 +90,9 @@ class SpecEngine:
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
+        self.prefix = Prefixes(prefix_cache_bytes, {
+            name: model_kv_bytes(model) for name, model in self._models().items()
+            if not (name == "target" and pair.tp is not None)}) if prefix_caching else None
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
         self.graph_width = spec.max_draft_tokens + 1 if spec.method != "none" else 1
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
@@ -146,6 +152,7 @@ class SpecEngine:
             vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
         top = self.spec.prompt_lookup.alignment_sampling
+        freed += self.prefix.nbytes if self.prefix is not None else 0  # kept prefixes yield to rows
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, top=top + 1 if top and self.spec.method == "prompt_lookup"
                                  else 0, additive_mask=self.device.type == "cuda")
@@ -317,7 +324,10 @@ class SpecEngine:
                 if have is None or (have.cache.rows, have.cache.max_len) != (need.rows, need.max_len):
                     self._allocate(need.rows, need.max_len)
                 want = need.batch
+                if self.prefix is not None:  # the prefixes keep what the batch leaves of the plan
+                    self.prefix.limit(max(0, plan.budget - need.total))
             batch = self.new_batch(want, max_len, policy)
+            batch.prefixes = self.prefix
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.capacity, self.vocab_size, self.device, self.stop_ids)
             Rounds(self, batch, policy, requests, results, on_round).run(deque(todo))

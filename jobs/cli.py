@@ -101,7 +101,8 @@ def cmd_status(args) -> int:
     print(f"{s['name']}: {s['parts']}/{s['shards']} parts, {s['rows_committed']}/{s['rows_total']} rows, "
           f"{'finished' if s['finished'] else 'incomplete'}"
           + ("; error rows: " + ", ".join(f"{k} {v}" for k, v in errors.items()) if errors else ""))
-    figures = [f"tokens in {s['prompt_tokens']}, out {s['generated_tokens']}"]
+    figures = [f"tokens in {s['prompt_tokens']} ({s['cached_prompt_tokens']} of them reused from cached prefixes), "
+               f"out {s['generated_tokens']}"]
     if s["tokens_per_target_call"] is not None:
         figures.append(f"{s['tokens_per_target_call']:.2f} tokens per target call")
     if s["acceptance_rate"] is not None:

@@ -124,7 +124,8 @@ class Generator:
         self.pair = load_pair(used["models.target.path"], used.get("models.draft.path"), device)
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
-                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction)
+                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction,
+                                 **spec.resources.prefix_settings())
         self.engine.measure_costs()  # goodput's cost profile: once, as a job's worker does while it loads
 
     def generate(self, prompts: str | dict | Iterable[str | list | dict], **settings) -> list[dict]:

@@ -23,6 +23,7 @@ from .sampling import Rows
 
 if TYPE_CHECKING:
     from .grammar import Constraints
+    from .prefix import Prefixes
     from .proposers.base import Draft, Proposer
     from .runner import ModelRunner
     from .tp import TPRunner
@@ -163,6 +164,7 @@ class Batch:
 
     proposer: Proposer  # set once the batch exists (a proposer keeps per-row state of it)
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
+    prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/prefix.py), when prefix caching is on
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int):
         self.target = target
@@ -195,24 +197,45 @@ class Batch:
         self.lens[start:end] = [len(r.tokens) for r in rows]
         self.n = end
 
-    def prefill(self, runner: ModelRunner, start: int, end: int) -> np.ndarray:
-        """Cache all but the pending token of rows [start, end); returns their cached lengths."""
-        lengths = self.lens[start:end] - 1
-        t = int(lengths.max())
-        if t > 0:
-            runner.prefill(self.seq[start:end, :t], start, end)
-        return lengths
+    def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft") -> np.ndarray:
+        """Cache all but the pending token of rows [start, end), taking what `model`'s prefix store holds of them
+        (specdec/prefix.py); returns their cached lengths."""
+        self._prefill(runner, start, end, model)
+        return self.lens[start:end] - 1
 
-    def prefill_target(self, start: int, end: int, top_ids: int = 0) -> np.ndarray | None:
-        """The target's prefill of rows [start, end); with `top_ids` > 0, its most likely ids at every cached
-        position [rows, t, top_ids] on the host (read back once per admission, not per round)."""
-        t = int(self.lens[start:end].max()) - 1
-        if t <= 0:
-            return np.zeros((end - start, 0, top_ids), dtype=np.int64) if top_ids else None
-        lengths = self.to_device(self.lens[start:end] - 1) if top_ids else None
-        ids = self.target.prefill(self.seq[start:end, :t], start, end, top_ids, lengths)
+    def prefill_target(self, start: int, end: int, top_ids: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
+        """The target's prefill of rows [start, end): with `top_ids` > 0, its most likely ids at every cached
+        position [rows, t, top_ids] on the host (read back once per admission, not per round; computed at every
+        position, no stored prefix taken); and each row's prompt tokens taken from the prefix store [rows]."""
+        reused, ids = self._prefill(self.target, start, end, "target", top_ids)
         self.cached[start:end] = self.lens[start:end] - 1
-        return None if ids is None else ids.cpu().numpy()
+        if top_ids and ids is None:
+            ids = torch.zeros((end - start, 0, top_ids), dtype=torch.int64)
+        return (None if ids is None else ids.cpu().numpy()), reused
+
+    def _prefill(self, runner, start: int, end: int, model: str,
+                 top_ids: int = 0) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Prefill rows [start, end) after the slots the prefix store of `model` gives them, then store their
+        blocks; returns the tokens each took from the store, and the top ids (with `top_ids`)."""
+        cached = self.lens[start:end] - 1
+        store = None if top_ids or self.prefixes is None else self.prefixes[model]
+        reused = np.zeros(end - start, dtype=np.int64)
+        if store is not None:
+            for i, slot in enumerate(range(start, end)):
+                reused[i] = store.load(runner.cache.k, runner.cache.v, slot,
+                                       store.match(self.rows[slot].tokens, int(cached[i])))
+        t = int((cached - reused).max(initial=0))
+        ids = None
+        if t > 0 and reused.any():
+            cols = np.minimum(reused[:, None] + np.arange(t), self.max_len - 1)
+            runner.prefill(self.seq[start:end].gather(1, self.to_device(cols)), start, end, offsets=reused)
+        elif t > 0:
+            lengths = self.to_device(cached) if top_ids else None
+            ids = runner.prefill(self.seq[start:end, :t], start, end, top_ids, lengths)
+        if store is not None:
+            for i, slot in enumerate(range(start, end)):
+                store.store(runner.cache.k, runner.cache.v, slot, self.rows[slot].tokens, int(cached[i]))
+        return reused, ids
 
     def append(self, tokens: dict[int, list[int]]) -> None:
         """Rows (by slot) emitted these tokens outside a round (jump-forward): one copy to the device."""

@@ -25,6 +25,12 @@ def model_kv_shape(model) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
+def model_kv_bytes(model) -> int:
+    """Bytes of keys and values one token takes in a model's cache (every layer)."""
+    layers, kv_heads, head_dim = model_kv_shape(model)
+    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
 class RaggedKVCache(Cache):
     def __init__(self, model, rows: int, max_len: int):
         super().__init__(layers=[])

@@ -260,13 +260,14 @@ class SampleResult:
     """One row's generation and its statistics (the output columns of the README's "Outputs")."""
 
     COLUMNS: ClassVar[tuple[str, ...]] = (
-        "sample_index", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds",
+        "sample_index", "token_ids", "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "error", "rounds",
         "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths", "acceptance_rate",
         "mean_accepted_length", "forced_tokens", "verification", "logprobs", "top_logprobs", "wall_s")
 
     key: object
     prompt_tokens: int
     sample_index: int = 0  # which of the prompt's `n` samples
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values it reused rather than computed (prefix caching)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason = "length"
     error: str | None = None

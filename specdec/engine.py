@@ -29,10 +29,11 @@ import torch
 
 from . import llama, memory, profiler
 from .batch import Batch
-from .cache import RaggedKVCache
+from .cache import RaggedKVCache, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, VerifyWidths, pow2_at_least
+from .prefix import Prefixes
 from .grammar import Constraints, GrammarError, Grammars
 from .models import ModelPair
 from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
@@ -59,11 +60,13 @@ class SpecEngine:
     (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
     `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py); `profile`: measured
     costs to plan from instead of measuring them (specdec/costmodel.py); `clock`: what rounds are timed by (a test
-    may drive a fake one)."""
+    may drive a fake one). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
+    for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
-                 profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter):
+                 profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
+                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.method = METHODS[spec.method]
@@ -83,6 +86,9 @@ class SpecEngine:
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
         self._runners: dict[str, ModelRunner] = {}
+        self.prefix = Prefixes(prefix_cache_bytes, {
+            name: model_kv_bytes(model) for name, model in self._models().items()
+            if not (name == "target" and pair.tp is not None)}) if prefix_caching else None
         max_draft = self.method.max_draft(spec)
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
         self.graph_width = max_draft + 1
@@ -159,6 +165,7 @@ class SpecEngine:
             graphs = lean and (self.step_graphs if self.step_graphs is not None else self.device.type == "cuda")
             vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
+        freed += self.prefix.nbytes if self.prefix is not None else 0  # kept prefixes yield to rows
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
                                  additive_mask=self.device.type == "cuda")
@@ -325,7 +332,10 @@ class SpecEngine:
                 if have is None or (have.cache.rows, have.cache.max_len) != (need.rows, need.max_len):
                     self._allocate(need.rows, need.max_len)
                 want = need.batch
+                if self.prefix is not None:  # the prefixes keep what the batch leaves of the plan
+                    self.prefix.limit(max(0, plan.budget - need.total))
             batch = self.new_batch(want, max_len, policy)
+            batch.prefixes = self.prefix
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))

@@ -112,12 +112,19 @@ class Rounds:
 
     def admit(self, indices: list[int], waiting: int = 0) -> None:
         """Requests `indices` join the batch. One sample of each prompt is prefilled; the others copy its
-        caches (they sit after all the prefilled rows, so that these are contiguous)."""
+        caches (they sit after all the prefilled rows, so that these are contiguous). With prefix caching, a
+        prefilled row takes the blocks the store holds of its prompt, and rows that share blocks not stored yet
+        with an earlier row are prefilled after it, once its blocks are stored: a shared prefix is computed once."""
         b, now = self.batch, time.perf_counter()
         first: dict[int, int] = {}  # group -> its prefilled request
         for i in indices:
             first.setdefault(self.requests[i].group, i)
         lead = list(first.values())
+        store = b.prefixes["target"] if b.prefixes is not None else None
+        later = store.followers([self.requests[i].prompt for i in lead],
+                                [len(self.requests[i].prompt) - 1 for i in lead]) if store else [False] * len(lead)
+        # rows sharing a prefix not stored yet with a row before them go after the others, once those are stored
+        lead = [i for i, f in zip(lead, later) if not f] + [i for i, f in zip(lead, later) if f]
         order = lead + [i for i in indices if i not in set(lead)]
         start, mid, end = b.n, b.n + len(lead), b.n + len(order)
         rows = []
@@ -132,10 +139,16 @@ class Rounds:
         view = self.view(end)
         drafting = self.policy.drafts_soon(view)
         wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
-        top_ids = b.prefill_target(start, mid, b.proposer.prompt_top_ids if wide else 0)
-        b.proposer.admit(start, mid, top_ids, drafting=drafting)
+        split = mid if wide else mid - sum(later)  # top ids are computed at every position: no stored prefix
+        for lo, hi in ((start, split), (split, mid)):
+            if hi > lo:
+                top_ids, reused = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0)
+                b.proposer.admit(lo, hi, top_ids, drafting=drafting)
+                for slot, n in zip(range(lo, hi), reused):
+                    b.rows[slot].result.cached_prompt_tokens = int(n)
         for slot in range(mid, end):
             b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)
+            b.rows[slot].result.cached_prompt_tokens = int(b.cached[slot])  # the whole prompt, copied
         if b.constraints is not None:
             for slot, i in zip(range(start, end), order):
                 fmt = self.requests[i].sp.grammar
@@ -296,10 +309,10 @@ class Rounds:
 
     def jump_forward(self, slots) -> int:
         """Rows whose output format allows exactly one next token take it (and the next, while that holds)
-        without a model call; the target reads them in the next round. Only where the engine speculates: plain
-        decoding (method none) stays one token per target call. Returns the tokens emitted."""
+        without a model call; the target reads them in the next round (under every method, `none` included).
+        Returns the tokens emitted."""
         b = self.batch
-        if not self.max_draft or b.constraints is None:
+        if b.constraints is None:
             return 0
         added: dict[int, list[int]] = {}
         for i in slots:

@@ -49,13 +49,14 @@ def flat_profile(max_width: int = 65) -> Profile:
     return Profile(draft_one={1: 0.0}, draft_two={1: 0.0}, target={1: {w: 1.0 for w in range(1, max_width + 1)}})
 
 
-def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), **spec) -> SpecEngine:
+def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), prefix_caching=True,
+           **spec) -> SpecEngine:
     """An engine with the job's default policy unless `spec` names another. goodput (the default) gets
     `flat_profile` and a clock that ticks once per round, so it drafts, the same way on any machine."""
     ticks = itertools.count()
     return SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
                       SpecConfig(method=method, **spec), batch_size=bs, profile=flat_profile(),
-                      clock=lambda: float(next(ticks)))
+                      clock=lambda: float(next(ticks)), prefix_caching=prefix_caching)
 
 
 def run(target, draft, prompts, method="draft_model", bs=8, k=None, max_new=MAX_NEW, stop=(), **spec):

@@ -10,8 +10,8 @@ import sys
 import pyarrow.parquet as pq
 import yaml
 
-COLUMNS = ["id", "completion", "sample_index", "token_ids", "prompt_tokens", "generated_tokens", "finish_reason",
-           "error", "rounds", "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths",
+COLUMNS = ["id", "completion", "sample_index", "token_ids", "prompt_tokens", "cached_prompt_tokens", "generated_tokens",
+           "finish_reason", "error", "rounds", "draft_forwards", "drafted_tokens", "accepted_tokens", "draft_lengths", "accept_lengths",
            "acceptance_rate", "mean_accepted_length", "forced_tokens", "verification", "logprobs", "top_logprobs",
            "wall_s", "tokens", "parsed", "warnings", "chat", "control"]
 TEXTS = ["the water is hot", "he said that the day was long", "how do you make a good name",

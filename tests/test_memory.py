@@ -203,7 +203,7 @@ def budget_for(eng, rows: int, lengths, fraction=0.9) -> tuple[int, int]:
 
 def test_a_batch_that_does_not_fit_runs_with_fewer_rows(models, kept_graphs):
     """With room for 2 rows of these prompts the engine allocates 2 and runs them all, within the budget, with the
-    output of an unconstrained run."""
+    output of an unconstrained run; the kept prompt prefixes take only what the two rows leave."""
     lengths = [80, 60, 70, 90, 50]
     free = make_engine(models, bs=5)
     ref = [r.token_ids for r in free.generate(prompts_of(lengths))]
@@ -216,6 +216,7 @@ def test_a_batch_that_does_not_fit_runs_with_fewer_rows(models, kept_graphs):
     assert [r.token_ids for r in out] == ref
     assert eng.need.rows == eng.need.batch == 2 and eng._runners["target"].cache.rows == 2
     assert peak.peak <= plan.budget < free.need.total
+    assert 0 < eng.prefix.nbytes <= plan.budget - eng.need.total
 
 
 def test_what_cannot_fit_one_row_is_refused_with_the_figures(models):

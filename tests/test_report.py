@@ -130,7 +130,7 @@ def test_every_device_a_worker_holds_is_charged():
 
     parts = [{"device": "cuda: H100", "devices": 4, "worker": "a", "wall_s": 1800.0, "tokens": 500_000, "control": False},
              {"device": "cuda: L4", "devices": 0.5, "worker": "b", "wall_s": 3600.0, "tokens": 500_000, "control": False}]
-    f = Figures("t", 2, {}, 1_000_000, 0, parts, 3600.0, {}, {})
+    f = Figures("t", 2, {}, 1_000_000, 0, 0, parts, 3600.0, {}, {})
     assert f.worker_s == {"cuda: H100": 1800.0, "cuda: L4": 3600.0}
     assert f.device_s == {"cuda: H100": 7200.0, "cuda: L4": 1800.0}
     prices = Prices.load(None, 2.0, None)  # $2 per GPU-hour

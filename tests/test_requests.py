@@ -67,7 +67,8 @@ def test_openai_batch_in_and_out(tmp_path, tiny_pair, ray_session):
         assert body["choices"][0]["message"] == {"role": "assistant", "content": row["completion"]}
         assert body["choices"][0]["finish_reason"] == row["finish_reason"]
         assert body["usage"] == {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["generated_tokens"],
-                                 "total_tokens": row["prompt_tokens"] + row["generated_tokens"]}
+                                 "total_tokens": row["prompt_tokens"] + row["generated_tokens"],
+                                 "prompt_tokens_details": {"cached_tokens": row["cached_prompt_tokens"]}}
     text = lines["text-0"]["response"]["body"]
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == out["text-0"]["completion"]
     assert out["text-0"]["warnings"] == "ignored request keys: frequency_penalty"  # reported, not silently dropped

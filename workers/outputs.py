@@ -27,7 +27,7 @@ from specdec.stops import cut_at_stop
 
 from .requests import openai_response
 
-_TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "generated_tokens": pa.int32(),
+_TYPES = {"token_ids": pa.list_(pa.int32()), "prompt_tokens": pa.int32(), "cached_prompt_tokens": pa.int32(), "generated_tokens": pa.int32(),
           "finish_reason": pa.string(), "error": pa.string(), "rounds": pa.int32(), "draft_forwards": pa.int32(),
           "drafted_tokens": pa.int32(), "accepted_tokens": pa.int32(), "draft_lengths": pa.list_(pa.int16()),
           "accept_lengths": pa.list_(pa.int16()), "acceptance_rate": pa.float64(),
@@ -158,14 +158,16 @@ def commit_jsonl(storage, part: str, parquet: bytes, model: str) -> None:
     storage.put_if_absent(jsonl_name(part), openai_jsonl(parquet, model))
 
 
-COUNTS = ("prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "rounds")
+COUNTS = ("prompt_tokens", "cached_prompt_tokens", "generated_tokens", "drafted_tokens", "accepted_tokens", "rounds")
 
 
 def part_entry(data: bytes) -> dict:
     """A committed part's manifest entry, from its bytes: rows (input rows: their first samples), sha256, error
     rows by reason (samples), and the token counts of its good samples (`COUNTS`)."""
-    t = pq.read_table(io.BytesIO(data), columns=["error", "sample_index", *COUNTS]).to_pydict()
+    f = pq.ParquetFile(io.BytesIO(data))
+    counts = [k for k in COUNTS if k in f.schema_arrow.names]  # a part written before a count existed lacks it
+    t = f.read(columns=["error", "sample_index", *counts]).to_pydict()
     ok = [i for i, e in enumerate(t["error"]) if not e]
     return {"rows": t["sample_index"].count(0), "sha256": hashlib.sha256(data).hexdigest(),
             "errors": dict(Counter(e.split(":", 1)[0] for e in t["error"] if e)),
-            **{k: sum(t[k][i] or 0 for i in ok) for k in COUNTS}}
+            **{k: sum(t[k][i] or 0 for i in ok) for k in counts}}

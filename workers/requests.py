@@ -117,7 +117,8 @@ def openai_response(rows: list[dict], chat: bool, model: str) -> dict:
         choices.append(choice)
     completion = sum(r["generated_tokens"] for r in rows)
     usage = {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
-             "total_tokens": first["prompt_tokens"] + completion}
+             "total_tokens": first["prompt_tokens"] + completion,
+             "prompt_tokens_details": {"cached_tokens": first.get("cached_prompt_tokens") or 0}}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{line['id'][10:34]}",
             "object": "chat.completion" if chat else "text_completion", "model": model,
             "choices": choices, "usage": usage}

@@ -45,6 +45,13 @@ class ResourcesSpec(Config):
         "that does not fit runs with fewer rows, a prompt that cannot fit one row becomes an error row, a config "
         "that cannot fit one row of `max_new_tokens` stops the worker at start, with the figures",
         json_schema_extra=NEUTRAL)
+    prefix_caching: bool = Field(True, description="reuse the keys and values of prompt prefixes a worker has "
+                                 "computed (a shared system prompt, few-shot examples, a prompt's samples, a retried "
+                                 "shard's rows) instead of computing them again: the same tokens either way",
+                                 json_schema_extra=NEUTRAL)
+    prefix_cache_gib: float = Field(1.0, ge=0, description="most memory the kept prefixes take on a worker's device "
+                                    "(least recently used evicted first); on a GPU it is set aside within "
+                                    "`gpu_memory_fraction`", json_schema_extra=NEUTRAL)
     shard_size: int = Field(256, ge=1, description="rows per part")
     max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
                              "worker and runs the shard again)", json_schema_extra=NEUTRAL)
@@ -67,6 +74,10 @@ class ResourcesSpec(Config):
         elif value != "auto" and (type(value) is not int or value < 1) and not isinstance(value, WorkerRange):
             raise ValueError(f"{value!r} is not a number of workers: {form}")
         return value
+
+    def prefix_settings(self) -> dict:
+        """The engine's prefix caching arguments (specdec.engine.SpecEngine)."""
+        return {"prefix_caching": self.prefix_caching, "prefix_cache_bytes": int(self.prefix_cache_gib * (1 << 30))}
 
     def worker_limits(self) -> tuple[int, int | None]:
         """(min, max) of `num_workers`: N is (N, N), `auto` is (1, None): as many as fit."""

@@ -70,7 +70,8 @@ class GenerationWorker:
         faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
-                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction)
+                                 gpu_memory_fraction=spec.resources.gpu_memory_fraction,
+                                 **spec.resources.prefix_settings())
         if self.engine.needs_costs:
             stage("measuring the pair's step costs (draft_length: goodput)")
         with _group_guard():
@@ -148,7 +149,8 @@ class GenerationWorker:
 
             self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
                                        batch_size=self.engine.batch_size,
-                                       gpu_memory_fraction=self.spec.resources.gpu_memory_fraction)
+                                       gpu_memory_fraction=self.spec.resources.gpu_memory_fraction,
+                                       **self.spec.resources.prefix_settings())
         return self._control
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],

@@ -1,0 +1,164 @@
+"""Prefix caching: the keys and values of prompt prefixes a worker has computed, reused by later rows.
+
+A model's prefix store keeps blocks of `block` prompt tokens. A block is keyed by a hash chain (its parent's key
+and its own tokens), so a key stands for the whole prefix up to the block's end; the tokens are kept too and
+compared on a match, so a hash collision costs a miss, never a wrong token. A row's match is the longest run of
+stored blocks from its first token, within the tokens its prefill would cache; the row's cache rows take those
+slots by copy and only the rest of its prompt is computed (`ModelRunner.prefill(offsets=)`). The store is kept by
+the engine across `generate()` calls, bounded in bytes and evicted least recently used, deepest blocks first (a
+prefix's first blocks serve every row that shares any of it).
+
+Keys and values at a position depend only on the tokens up to it, so a reused block holds what a prefill would
+compute, up to the rounding of a different batch shape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Block:
+    tokens: tuple[int, ...]
+    parent: int | None  # the previous block's key (None: the prompt's first block)
+    k: torch.Tensor  # [layers, kv_heads, block, head_dim]
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class PrefixStore:
+    """One model's stored prefix blocks (see the module's docstring), at most `budget` bytes of them."""
+
+    def __init__(self, budget: int, block: int = 16):
+        if block < 1:
+            raise ValueError("a prefix block has at least one token")
+        self.budget = budget
+        self.block = block
+        self.blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+
+    def _key(self, parent: int | None, tokens: tuple[int, ...]) -> int:
+        return hash((parent, tokens))
+
+    def chain(self, tokens: Sequence[int], limit: int) -> list[tuple[int, tuple[int, ...], int | None]]:
+        """(key, tokens, parent key) of each full block in the first `limit` tokens, in order."""
+        out, parent = [], None
+        for start in range(0, limit - self.block + 1, self.block):
+            chunk = tuple(tokens[start:start + self.block])
+            key = self._key(parent, chunk)
+            out.append((key, chunk, parent))
+            parent = key
+        return out
+
+    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Keys of the stored blocks that begin `tokens`, as many as fit in its first `limit` tokens. They become
+        the most recently used, the first blocks last (evicted after the blocks that follow them)."""
+        keys: list[int] = []
+        for key, chunk, parent in self.chain(tokens, limit):
+            found = self.blocks.get(key)
+            if found is None or found.tokens != chunk or found.parent != parent:
+                break
+            keys.append(key)
+        for key in reversed(keys):
+            self.blocks.move_to_end(key)
+        return keys
+
+    def followers(self, prompts: list[Sequence[int]], limits: list[int]) -> list[bool]:
+        """For rows about to be prefilled together: whether each would find more of its prefix stored once the rows
+        before it that it is not flagged for are prefilled and stored (its first block not stored yet is one of
+        theirs). Prefilling the others first, then these, computes a prefix they share once."""
+        seen: set[int] = set()
+        out = []
+        for tokens, limit in zip(prompts, limits):
+            fresh = [key for key, _, _ in self.chain(tokens, limit) if key not in self.blocks]
+            follows = bool(fresh) and fresh[0] in seen
+            if not follows:
+                seen.update(fresh)
+            out.append(follows)
+        return out
+
+    def load(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], row: int, keys: list[int]) -> int:
+        """Write the blocks `keys` (a match) into slots [0, len(keys) * block) of cache row `row`; returns that
+        many tokens."""
+        if not keys:
+            return 0
+        n = len(keys) * self.block
+        k = torch.cat([self.blocks[key].k for key in keys], dim=2)  # [layers, kv_heads, n, head_dim]
+        v = torch.cat([self.blocks[key].v for key in keys], dim=2)
+        for layer, (kc, vc) in enumerate(zip(k_cache, v_cache)):
+            kc[row, :, :n] = k[layer]
+            vc[row, :, :n] = v[layer]
+        return n
+
+    def store(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], row: int, tokens: Sequence[int],
+              cached: int) -> int:
+        """Keep the full blocks among the first `cached` tokens of cache row `row` (holding `tokens`) that are not
+        stored yet, evicting the least recently used beyond the budget; returns the blocks added. A block larger
+        than the whole budget is not kept."""
+        added, keys = 0, []
+        chain = self.chain(tokens, cached)
+        new = [i for i, (key, _, _) in enumerate(chain) if key not in self.blocks]
+        if new:  # the row's slots from its first new block, one copy per layer, then a block each
+            lo, hi = new[0] * self.block, len(chain) * self.block
+            k = torch.stack([kc[row, :, lo:hi] for kc in k_cache]).split(self.block, dim=2)
+            v = torch.stack([vc[row, :, lo:hi] for vc in v_cache]).split(self.block, dim=2)
+        for i, (key, chunk, parent) in enumerate(chain):
+            have = self.blocks.get(key)
+            if have is not None and (have.tokens != chunk or have.parent != parent):
+                break  # a collision: the chain cannot go on through this key
+            if have is None:
+                j = i - new[0]
+                block = Block(chunk, parent, k[j].clone(), v[j].clone())
+                if block.nbytes > self.budget:
+                    break
+                self.blocks[key] = block
+                self.nbytes += block.nbytes
+                added += 1
+            keys.append(key)
+        for key in reversed(keys):
+            self.blocks.move_to_end(key)
+        self._evict()
+        return added
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget and self.blocks:
+            _, block = self.blocks.popitem(last=False)
+            self.nbytes -= block.nbytes
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.nbytes = 0
+
+
+class Prefixes:
+    """An engine's prefix stores, one per model, within one byte budget shared by the bytes each model's keys and
+    values take per token (so every store holds about as many tokens)."""
+
+    def __init__(self, budget: int, per_token: dict[str, int], block: int = 16):
+        self.budget = budget  # the most bytes (`limit` may lower it for a while)
+        self.shares = {name: size / (sum(per_token.values()) or 1) for name, size in per_token.items()}
+        self.stores = {name: PrefixStore(int(budget * share), block) for name, share in self.shares.items()}
+
+    def limit(self, room: int) -> None:
+        """At most min(room, budget) bytes from now on (the memory a batch's plan leaves), least recent evicted."""
+        for name, store in self.stores.items():
+            store.budget = int(min(room, self.budget) * self.shares[name])
+            store._evict()
+
+    def __getitem__(self, name: str) -> PrefixStore | None:
+        return self.stores.get(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.stores.values())
+
+    def clear(self) -> None:
+        for s in self.stores.values():
+            s.clear()

@@ -1,0 +1,205 @@
+"""Prefix caching's store (specdec/prefix.py) and a prefill that goes on after reused slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_models import tiny_llama
+from specdec.cache import RaggedKVCache
+from specdec.prefix import PrefixStore
+from specdec.runner import ModelRunner
+
+
+def runner(model, rows=4, max_len=128, lean=True) -> ModelRunner:
+    cache = RaggedKVCache(model, rows, max_len)
+    head = model.get_output_embeddings()
+    return ModelRunner(model, cache, head.weight, None, lean=lean, graphs=False)
+
+
+def prefill(r: ModelRunner, row: int, tokens: list[int], store: PrefixStore | None = None) -> int:
+    """Cache all but the last of `tokens` in `row`, reusing stored blocks; returns the tokens reused."""
+    cached = len(tokens) - 1
+    reused = store.load(r.cache.k, r.cache.v, row, store.match(tokens, cached)) if store else 0
+    rest = torch.tensor([tokens[reused:cached]])
+    if reused:
+        r.prefill(rest, row, row + 1, offsets=[reused])
+    else:
+        r.prefill(rest, row, row + 1)
+    if store:
+        store.store(r.cache.k, r.cache.v, row, tokens, cached)
+    return reused
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_row_that_reuses_a_prefix_holds_what_its_own_prefill_computes(lean):
+    """Row 1 shares 40 tokens with row 0: it takes two 16-token blocks from the store and computes the rest; its
+    keys, values and next-token logits equal a full prefill's (row 2) in float32."""
+    model = tiny_llama(vocab=96, layers=2)
+    r = runner(model, lean=lean)
+    store = PrefixStore(budget=1 << 30, block=16)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 96, (40,), generator=g).tolist()
+    first = shared + torch.randint(0, 96, (10,), generator=g).tolist()
+    second = shared + torch.randint(0, 96, (7,), generator=g).tolist()
+    assert prefill(r, 0, first, store) == 0
+    assert prefill(r, 1, second, store) == 32
+    assert prefill(r, 2, second) == 0
+    n = len(second) - 1
+    for kc, vc in zip(r.cache.k, r.cache.v):
+        torch.testing.assert_close(kc[1, :, :n], kc[2, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[1, :, :n], vc[2, :, :n], rtol=1e-5, atol=1e-5)
+    # the pending token's step over rows 1 and 2 (rows [0, 2) of a window: move them down first)
+    r.cache.move_row(1, 0, n)
+    r.cache.move_row(2, 1, n)
+    last = torch.tensor([[second[-1]], [second[-1]]])
+    logits, _ = r.step(last, torch.tensor([[n], [n]]), n + 1)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_match_stops_at_the_first_block_not_stored_and_never_inside_the_pending_token():
+    model = tiny_llama()
+    r = runner(model)
+    store = PrefixStore(budget=1 << 30, block=4)
+    tokens = list(range(1, 14))  # 13 tokens: 12 cached, 3 full blocks
+    prefill(r, 0, tokens, store)
+    assert len(store.blocks) == 3
+    assert len(store.match(tokens, 12)) == 3
+    assert len(store.match(tokens, 11)) == 2  # the third block would reach past the tokens a prefill caches
+    assert len(store.match(tokens[:6] + [90] * 7, 12)) == 1  # the second block differs
+    assert store.match([90] + tokens[1:], 12) == []  # a chain: a later block never matches without its first
+
+
+def test_a_hash_collision_costs_a_miss_never_a_wrong_block(monkeypatch):
+    model = tiny_llama()
+    r = runner(model)
+    store = PrefixStore(budget=1 << 30, block=4)
+    monkeypatch.setattr(store, "_key", lambda parent, tokens: 7)  # every block collides
+    prefill(r, 0, [1, 2, 3, 4, 5, 6], store)
+    assert store.match([9, 9, 9, 9, 5, 6], 5) == []
+    assert len(store.match([1, 2, 3, 4, 5, 6], 5)) == 1
+
+
+def test_the_store_keeps_its_budget_and_evicts_the_deepest_least_recent_blocks_first():
+    model = tiny_llama()
+    r = runner(model)
+    probe = PrefixStore(budget=1 << 30, block=4)
+    prefill(r, 0, [1, 2, 3, 4, 5], probe)
+    one = probe.nbytes  # bytes of one block
+    store = PrefixStore(budget=3 * one, block=4)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two blocks
+    b = [1, 2, 3, 4, 50, 60, 70, 80, 90]  # shares a's first block
+    prefill(r, 0, a, store)
+    prefill(r, 1, b, store)
+    assert len(store.blocks) == 3 and store.nbytes == 3 * one
+    prefill(r, 2, [20, 21, 22, 23, 24], store)  # a fourth block: the least recent leaf (a's second) goes
+    assert store.nbytes <= store.budget
+    assert len(store.match(a, 8)) == 1  # a's first block, shared with b, was kept
+    assert len(store.match(b, 8)) == 2
+    tiny = PrefixStore(budget=one - 1, block=4)
+    assert tiny.store(r.cache.k, r.cache.v, 0, a, 8) == 0 and tiny.nbytes == 0
+
+
+def shared_prompts(rows: int, shared: int = 70, seed: int = 5) -> list[list[int]]:
+    """Rows with one `shared`-token prefix (a system prompt) and a short tail of their own."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(0, 96, (shared,), generator=g).tolist()
+    return [head + torch.randint(0, 96, (3 + i % 7,), generator=g).tolist() for i in range(rows)]
+
+
+def transformers_greedy(model, prompts, max_new):
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "prompt_lookup"])
+def test_prefix_caching_keeps_transformers_tokens_and_computes_a_shared_prefix_once(target, drafts, method):
+    """10 rows share a 70-token prefix, 4 at a time (the first admission computes the prefix once, later ones take
+    it from the store); greedy tokens equal transformers' generate in float32, with caching on and off; a second
+    call takes every row's whole prompt but its last partial block."""
+    from engine_models import engine
+
+    prompts = shared_prompts(10)
+    ref = transformers_greedy(target, prompts, 12)
+    on = engine(target, drafts["noisy"], method, bs=4, max_new=12)
+    off = engine(target, drafts["noisy"], method, bs=4, max_new=12, prefix_caching=False)
+    for eng in (on, off):
+        res = eng.generate(prompts)
+        assert [r.token_ids for r in res] == ref
+    assert [r.cached_prompt_tokens for r in res] == [0] * 10
+    res = on.generate(prompts)  # a second call (a retried shard): every row finds its whole prompt's blocks
+    assert [r.token_ids for r in res] == ref
+    assert [r.cached_prompt_tokens for r in res] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    apart = [p[:2] + [93 + j] + p[3:] for j, p in enumerate(prompts[1:4])]  # each its own first block
+    assert all(r.cached_prompt_tokens == 0 for r in on.generate(apart))
+    assert all(r.cached_prompt_tokens == 0 for r in off.generate(prompts))
+
+
+def test_within_one_admission_the_shared_prefix_is_computed_once(target):
+    from engine_models import engine
+
+    eng = engine(target, None, "none", bs=8, max_new=4)
+    prompts = shared_prompts(8, shared=64)
+    res = eng.generate(prompts)
+    reused = sorted(r.cached_prompt_tokens for r in res)
+    assert reused[0] == 0  # one row computed the prefix
+    assert reused[1:] == [64] * 7  # the others took its four 16-token blocks
+    assert [r.token_ids for r in res] == transformers_greedy(target, prompts, 4)
+
+
+def test_sampled_rows_draw_the_same_tokens_with_and_without_prefix_caching(target, drafts):
+    from specdec.config import SamplingParams
+
+    from engine_models import engine
+
+    prompts = shared_prompts(6)
+    sp = [SamplingParams(max_new_tokens=10, temperature=0.9, seed=11, n=2)] * len(prompts)
+    runs = [engine(target, drafts["noisy"], bs=3, max_new=10, prefix_caching=on).generate(prompts, params=sp)
+            for on in (True, False)]
+    assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
+    assert any(r.cached_prompt_tokens for r in runs[0])
+
+
+def test_a_job_counts_reused_prompt_tokens_in_its_rows_manifest_status_and_openai_usage(tmp_path, tiny_pair,
+                                                                                          ray_session, capsys):
+    """8 rows share a start of 60 words in the chat template, 4 at a time on one worker: one row computes it, the
+    others take its full 16-token blocks; `prefix_caching: false` gives the same tokens and reuses nothing."""
+    import glob
+    import json
+
+    from conftest import WORDS
+    from job_helpers import TEXTS, config, read_out
+    from jobs.cli import main as cli
+
+    from transformers import AutoTokenizer
+
+    shared = " ".join(WORDS[:60])
+    rows = [{"id": f"r{i}", "prompt": f"{shared} {TEXTS[i % len(TEXTS)]} {WORDS[70 + i]}"} for i in range(8)]
+    tok = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    ids = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                   tokenize=True, return_dict=False) for r in rows]
+    common = next(j for j in range(min(map(len, ids))) if len({p[j] for p in ids}) > 1)  # tokens all rows share
+    assert common >= 61
+    outs = {}
+    for on in (True, False):
+        folder = tmp_path / ("on" if on else "off")
+        folder.mkdir()
+        path, _ = config(folder, tiny_pair, rows, output__format="openai_batch",
+                         resources__num_workers=1, resources__shard_size=8, resources__prefix_caching=on)
+        assert cli(["run", path, "--no-progress"]) == 0
+        outs[on], _ = read_out(folder / "out")
+        manifest = json.loads((folder / "out" / "_manifest.json").read_text())
+        reused = sum(r["cached_prompt_tokens"] for r in outs[on].values())
+        assert sum(p["cached_prompt_tokens"] for p in manifest["parts"].values()) == reused
+        assert reused == (7 * (common // 16 * 16) if on else 0)
+        for line in open(glob.glob(str(folder / "out" / "_openai_batch" / "*.jsonl"))[0]):
+            got = json.loads(line)
+            usage = got["response"]["body"]["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == outs[on][got["custom_id"]]["cached_prompt_tokens"]
+        capsys.readouterr()
+        assert cli(["status", path]) == 0
+        assert f"({reused} of them reused from cached prefixes)" in capsys.readouterr().out
+    assert {k: r["token_ids"] for k, r in outs[True].items()} == {k: r["token_ids"] for k, r in outs[False].items()}

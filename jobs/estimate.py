@@ -121,9 +121,9 @@ def estimate(rows: list[dict], manifest: dict, prof: Profile, batch_size: int, p
     own batch size (what the profile does not see: host bookkeeping per round, tokenizing, writing parts)
     scales the prediction."""
     spec = manifest["spec"]
-    top = spec["speculation"]["max_draft_tokens"]
-    raw = replay(rows, prof, batch_size, policy, top)
-    own = replay(rows, prof, spec["resources"]["batch_size"], "recorded", top)
+    max_draft = spec["speculation"]["max_draft_tokens"]
+    raw = replay(rows, prof, batch_size, policy, max_draft)
+    own = replay(rows, prof, spec["resources"]["batch_size"], "recorded", max_draft)
     real = measured(manifest)
     devices = {(p.get("device"), p.get("devices", 1)) for p in manifest["parts"].values()}
     same = devices == {(prof.hardware.split(",")[0], 1)}  # a profile is of one process on one device

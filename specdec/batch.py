@@ -38,25 +38,31 @@ class Slots:
     def __init__(self, capacity: int, device):
         self.capacity = capacity
         self.device = device
-        self._values: list[tuple[torch.Tensor | np.ndarray, object]] = []  # (per-row values, fill)
-        self._objects: list[tuple[list, Callable[[object, object], object]]] = []  # (per-row objects, copy)
+        self._values: dict[str, tuple[torch.Tensor | np.ndarray, object]] = {}  # name -> (per-row values, fill)
+        self._objects: dict[str, tuple[list, Callable[[object, object], object]]] = {}  # name -> (objects, copy)
         self._caches: list[tuple[object, np.ndarray]] = []  # (a KV cache, each row's length in it)
 
     def add(self, name: str, dtype=torch.int64, fill=0, trailing: tuple[int, ...] = ()) -> torch.Tensor:
         t = torch.full((self.capacity, *trailing), fill, dtype=dtype, device=self.device)
-        self._values.append((t, fill))
+        self._register(self._values, name, (t, fill))
         return t
 
     def add_host(self, name: str, dtype=np.int64, fill=0) -> np.ndarray:
         a = np.full(self.capacity, fill, dtype=dtype)
-        self._values.append((a, fill))
+        self._register(self._values, name, (a, fill))
         return a
 
     def add_objects(self, name: str, copy: Callable[[object, object], object] = lambda src, dst: src) -> list:
         """Per-row objects (None for a new row); a copied row takes copy(the source's, its own)."""
         objects: list = [None] * self.capacity
-        self._objects.append((objects, copy))
+        self._register(self._objects, name, (objects, copy))
         return objects
+
+    @staticmethod
+    def _register(entries: dict, name: str, entry) -> None:
+        if name in entries:
+            raise ValueError(f"per-row state {name!r} is registered twice")
+        entries[name] = entry
 
     def add_cache(self, cache, length: np.ndarray) -> None:
         """A KV cache's rows (`move_row(src, dst, slots)`): a row moves with its first length[row] slots."""
@@ -64,9 +70,9 @@ class Slots:
 
     def admit(self, start: int, end: int) -> None:
         """Rows [start, end) are new: every entry starts at its fill value."""
-        for values, fill in self._values:
+        for values, fill in self._values.values():
             values[start:end] = fill
-        for objects, _ in self._objects:
+        for objects, _ in self._objects.values():
             objects[start:end] = [None] * (end - start)
 
     def move(self, src: int, dst: int) -> None:
@@ -82,9 +88,9 @@ class Slots:
             return
         for cache, length in self._caches:
             cache.move_row(src, dst, int(length[src]))
-        for values, _ in self._values:
+        for values, _ in self._values.values():
             values[dst] = values[src]
-        for objects, copy_object in self._objects:
+        for objects, copy_object in self._objects.values():
             objects[dst] = (copy or copy_object)(objects[src], objects[dst])
 
 
@@ -112,7 +118,7 @@ class RowSettings:
         self.top_k = slots.add("sp_top_k")
         self.top_p = slots.add("sp_top_p", torch.float32, 1.0)
         self.greedy_rows = slots.add("sp_greedy", torch.bool, True)
-        self.host = {name: slots.add_host(f"sp_{name}", dtype, fill) for name, dtype, fill in
+        self.host = {name: slots.add_host(f"sp_{name}_host", dtype, fill) for name, dtype, fill in
                      (("greedy", bool, True), ("top_k", np.int64, 0), ("top_p", np.float64, 1.0))}
 
     def set(self, slot: int, sp: SamplingParams) -> None:

@@ -89,11 +89,11 @@ def calibrate(pair, prompts: list[list[int]], sp: SamplingParams, spec: SpecConf
     rate = float(accepts.mean())
     probe = SpecEngine(pair, sp, variant(draft_length="goodput"), batch_size=batch_size)
     probe.measure_costs()
-    b, top = bucket(min(batch_size, len(prompts))), spec.max_draft_tokens
-    seconds = probe.profile.rounds(b, top)
-    k = max(1, best_length(expected_tokens(np.array([rate]), top)[0], seconds))
+    b, max_k = bucket(min(batch_size, len(prompts))), spec.max_draft_tokens
+    seconds = probe.profile.rounds(b, max_k)
+    k = max(1, best_length(expected_tokens(np.array([rate]), max_k)[0], seconds))
     log(f"lossless acceptance {rate:.3f} over {len(divs)} tokens; best length K={k} "
-        f"(the cost model's; {best_length(expected_tokens(np.array([rate]), top)[0], seconds)} before the 1-token floor)")
+        f"(the cost model's; {best_length(expected_tokens(np.array([rate]), max_k)[0], seconds)} before the 1-token floor)")
 
     def point(threshold: float | None) -> Point:
         update = {"draft_length": "fixed", "num_draft_tokens": k}

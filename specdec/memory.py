@@ -65,7 +65,7 @@ class Shape:
     def kv_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
-    def forward(self, rows: int, tokens: int, kv: int, logits: str = "none", top: int = 0,
+    def forward(self, rows: int, tokens: int, kv: int, logits: str = "none", top_ids: int = 0,
                 additive_mask: bool = True) -> int:
         """Peak bytes one lean forward (specdec/llama.py; the generic path is taken as alike) holds besides the
         caches: `rows` rows of `tokens` tokens over `kv` slots. In the model's dtype, per token, in every layer: the
@@ -75,7 +75,7 @@ class Shape:
         intermediate). The boolean mask (rows x group x tokens x kv bytes) lives across layers; while attention runs
         on CUDA (`additive_mask`), torch's SDPA holds an additive copy in the dtype, its negation and an aligned copy.
         Then the output: `all` logits [rows, tokens, vocab] and hidden states, the `last` position's of each row,
-        or (the prefill's `top` ids) a copy of the hidden states, the ids, and logits 2^26 at a time."""
+        or (`top_ids`: the prefill's most likely ids) a copy of the hidden states, the ids, and logits 2^26 at a time."""
         e, n, hd = self.itemsize, rows * tokens, self.head_dim
         common = (self.heads + 2 * self.kv_heads) * hd + 3 * self.heads * hd + self.kv_heads * hd + 2 * hd
         mask = rows * (self.heads // self.kv_heads) * tokens * kv
@@ -86,8 +86,8 @@ class Shape:
             out = n * (self.vocab + self.d) * e
         elif logits == "last":
             out = n * self.d * e + rows * (self.vocab + self.d) * e
-        elif logits == "top":
-            out = n * (self.d * e + 1 + 16 * top) + min(n, max(1, TOP_CHUNK // self.vocab)) * self.vocab * e
+        elif logits == "top_ids":
+            out = n * (self.d * e + 1 + 16 * top_ids) + min(n, max(1, TOP_CHUNK // self.vocab)) * self.vocab * e
         return max(attention, mlp) + out
 
     def kept(self, rows: int, width: int, last: bool) -> int:
@@ -180,7 +180,7 @@ class MemoryPlan:
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top" if self.prompt_top_ids else "none"),
+        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top_ids" if self.prompt_top_ids else "none"),
                 self._forward(self.roles[0], step_rows, self.width, max_len, "all")
                 + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
         acts += [self._forward(role, batch, row_len, row_len, "last") for role in self.roles[1:]]

@@ -220,9 +220,9 @@ class Rounds:
             best = None  # the masks change the argmax
         verdict = self.context.rule(logits, draft, rows, draws, best)
         tokens = b.accept(n, inputs, verdict, draft)
-        top = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
+        logprobs = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
         out = Readback.read(accepted=verdict.accepted, drafted=draft.lengths, target_non_finite=~finite.all(1),
-                            draft_non_finite=draft.non_finite, tokens=tokens, **top)
+                            draft_non_finite=draft.non_finite, tokens=tokens, **logprobs)
         b.grow(n, inputs.lens, out.accepted)
         b.proposer.commit(n, inputs.lens, out.accepted)
         if self.context.widths:
@@ -268,12 +268,12 @@ class Rounds:
             return 0
         a = int(out.accepted[i])
         tokens = out.tokens[i, : a + 1].tolist()
-        lps = top = None
+        lps = ranked = None
         if row.sp.logprobs:
             lps = out.logprobs[i, : a + 1].tolist()
-            top = None if out.top_ids is None else [list(zip(*t)) for t in zip(out.top_ids[i, : a + 1].tolist(),
-                                                                                   out.top_logprobs[i, : a + 1].tolist())]
-        kept = self.emit(row, tokens, lps, top)
+            ranked = None if out.top_ids is None else [list(zip(*t)) for t in zip(
+                out.top_ids[i, : a + 1].tolist(), out.top_logprobs[i, : a + 1].tolist())]
+        kept = self.emit(row, tokens, lps, ranked)
         res.rounds += 1
         res.draft_forwards += forwards
         res.draft_lengths.append(int(out.drafted[i]))
@@ -282,9 +282,11 @@ class Rounds:
             res.finish_reason, res.error = "error", "grammar: an emitted token left the output format"
         return kept
 
-    def emit(self, row: Row, tokens: list[int], lps: list[float] | None = None, top=None) -> int:
+    def emit(self, row: Row, tokens: list[int], lps: list[float] | None = None,
+             ranked: list[list[tuple[int, float]]] | None = None) -> int:
         """Append `tokens` to the row, cut after a stop token, at a stop string or at max_new_tokens; their logprobs
-        too, where the row asked. Returns how many were kept."""
+        (`lps`) and the most likely (id, logprob) pairs at each (`ranked`) too, where the row asked. Returns how many
+        were kept."""
         res, stops = row.result, self.context.stop_ids
         stop = next((j for j, t in enumerate(tokens) if t in stops or t in row.sp.stop_token_ids), None)
         cut = len(tokens) if stop is None else stop + 1
@@ -304,7 +306,7 @@ class Rounds:
             res.logprobs = (res.logprobs or []) + lps[:cut]
             if row.sp.top_logprobs:
                 res.top_logprobs = (res.top_logprobs or []) + [[(t, p) for t, p in pairs if p > float("-inf")]
-                                                               [: row.sp.top_logprobs] for pairs in top[:cut]]
+                                                               [: row.sp.top_logprobs] for pairs in ranked[:cut]]
         return cut
 
     def jump_forward(self, slots) -> int:

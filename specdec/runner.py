@@ -76,15 +76,15 @@ class ModelRunner:
             base = "lean" if self.lean is not None else "generic"
         return base + ("+eager-fallback" if self.eager else "")
 
-    def prefill(self, tokens: torch.Tensor, start: int, end: int, top: int = 0,
+    def prefill(self, tokens: torch.Tensor, start: int, end: int, top_ids: int = 0,
                 lengths: torch.Tensor | None = None, offsets: np.ndarray | None = None) -> torch.Tensor | None:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
-        junk past their length, masked until overwritten). With `top` > 0, returns the model's `top` most
-        likely next ids at every position [end - start, t, top], computed where a position < lengths[row]
+        junk past their length, masked until overwritten). With `top_ids` > 0, returns the model's `top_ids`
+        most likely next ids at every position [end - start, t, top_ids], computed where a position < lengths[row]
         (None: every position) and 0 past it. `offsets` [end - start] (host): row i's tokens go at positions
         offsets[i].. instead, after the slots its cache row already holds (a reused prefix, specdec/prefix.py)."""
         if offsets is not None:
-            if top:
+            if top_ids:
                 raise ValueError("a prefill after reused slots gives no top ids")
             return self._extend(tokens, start, end, offsets)
         if self.lean is not None:
@@ -94,15 +94,15 @@ class ModelRunner:
             t = tokens.shape[1]
             positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
             hidden = forward_hidden(self.model, self.cache, tokens, positions, start, end, t)
-        if not top:
+        if not top_ids:
             return None
         n, t = tokens.shape
         valid = torch.ones(n, t, dtype=torch.bool, device=self.device) if lengths is None else \
             torch.arange(t, device=self.device)[None, :] < lengths.to(self.device)[:, None]
         flat = hidden[valid]  # the rows' own positions only: the output head over padding would be waste
         chunk = max(1, (1 << 26) // self.head_weight.shape[0])  # [chunk, vocab] logits stay near 64M floats
-        out = torch.zeros(n, t, top, dtype=torch.int64, device=self.device)
-        out[valid] = torch.cat([self.logits(h).topk(top, dim=-1).indices for h in flat.split(chunk)])
+        out = torch.zeros(n, t, top_ids, dtype=torch.int64, device=self.device)
+        out[valid] = torch.cat([self.logits(h).topk(top_ids, dim=-1).indices for h in flat.split(chunk)])
         return out
 
     def _extend(self, tokens: torch.Tensor, start: int, end: int, offsets: np.ndarray) -> None:

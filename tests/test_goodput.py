@@ -241,8 +241,8 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
     joined = []
     admit = DraftModelProposer.admit
 
-    def spy(self, start, end, target_top=None, drafting=True):
-        admit(self, start, end, target_top, drafting)
+    def spy(self, start, end, target_top_ids=None, drafting=True):
+        admit(self, start, end, target_top_ids, drafting)
         joined.append(self.d_len[start:end].tolist())
 
     monkeypatch.setattr(DraftModelProposer, "admit", spy)

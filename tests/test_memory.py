@@ -177,17 +177,17 @@ def test_the_prefill_estimate_bounds_a_measured_prefill(models):
     from specdec.cache import RaggedKVCache
     target = models["target"]
     shape = memory.Shape.of(target)
-    for rows, tokens, kv, logits in [(4, 100, 100, "none"), (4, 100, 100, "top"), (1, 500, 500, "none"),
+    for rows, tokens, kv, logits in [(4, 100, 100, "none"), (4, 100, 100, "top_ids"), (1, 500, 500, "none"),
                                      (8, 9, 500, "all"), (4, 200, 500, "last")]:
         runner = runner_mod.ModelRunner(target, RaggedKVCache(target, 8, 512), target.get_output_embeddings().weight)
         tok = torch.zeros((rows, tokens), dtype=torch.int64)
         with torch.inference_mode(), Peak() as peak:
-            if logits in ("none", "top"):
-                runner.prefill(tok, 0, rows, top=3 if logits == "top" else 0)
+            if logits in ("none", "top_ids"):
+                runner.prefill(tok, 0, rows, top_ids=3 if logits == "top_ids" else 0)
             else:
                 positions = (kv - tokens + torch.arange(tokens))[None].expand(rows, tokens)
                 runner.step(tok, positions, kv, last=torch.full((rows,), tokens - 1) if logits == "last" else None)
-        estimate = shape.forward(rows, tokens, kv, logits, top=3, additive_mask=False)
+        estimate = shape.forward(rows, tokens, kv, logits, top_ids=3, additive_mask=False)
         assert peak.peak <= estimate <= 2 * peak.peak, (rows, tokens, kv, logits, peak.peak, estimate)
 
 

@@ -58,8 +58,8 @@ class Proposer:
     def __init__(self, batch: Batch):
         self.batch = batch
 
-    def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
-        """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top` [rows, t,
+    def admit(self, start: int, end: int, target_top_ids: np.ndarray | None = None, drafting: bool = True) -> None:
+        """Rows [start, end) joined the batch (their prompts are in batch.seq); `target_top_ids` [rows, t,
         prompt_top_ids]: the target's most likely ids at each prompt position, from its prefill; `drafting`:
         whether the next round drafts (if not, a drafter may defer work for these rows)."""
 

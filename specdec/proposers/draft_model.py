@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
         self.fed_len = batch.slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
         batch.slots.add_cache(runner.cache, self.d_len)
 
-    def admit(self, start: int, end: int, target_top=None, drafting: bool = True) -> None:
+    def admit(self, start: int, end: int, target_top_ids=None, drafting: bool = True) -> None:
         if drafting:
             self.d_len[start:end] = self.batch.prefill(self.runner, start, end)
         else:  # no speculation for now: the first drafting round's catch-up feeds the whole row

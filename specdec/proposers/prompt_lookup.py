@@ -68,12 +68,12 @@ class PromptLookupProposer(Proposer):
         self.prompt_len: list[int | None] = slots.add_objects("prompt_len")
         self.top_ids: list[np.ndarray | None] = slots.add_objects("prompt_top_ids")  # [prompt_len - 1, s + 1]
 
-    def admit(self, start: int, end: int, target_top: np.ndarray | None = None, drafting: bool = True) -> None:
+    def admit(self, start: int, end: int, target_top_ids: np.ndarray | None = None, drafting: bool = True) -> None:
         for slot in range(start, end):
             row = self.batch.rows[slot]
             self.pools[slot] = self.new_pool()
             self.prompt_len[slot] = len(row.tokens)
-            self.top_ids[slot] = None if target_top is None else target_top[slot - start, : len(row.tokens) - 1]
+            self.top_ids[slot] = None if target_top_ids is None else target_top_ids[slot - start, : len(row.tokens) - 1]
 
     def new_pool(self) -> NgramPool:
         return NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)

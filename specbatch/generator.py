@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pydantic import Field, ValidationError, model_validator
 
 from jobs.spec import ConfigError, format_errors, read_config
+from specdec.choices import METHODS
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
 from workers.inputs import InputSpec, Record, usable_id
 from workers.outputs import OutputSpec, output_table, parsed_types
@@ -54,8 +55,8 @@ class GeneratorSpec(Config):
 
     @model_validator(mode="after")
     def _one_process(self):
-        if self.speculation.method == "draft_model" and self.models.draft is None:
-            raise ValueError("speculation.method draft_model needs models.draft")
+        if METHODS[self.speculation.method].draft_model and self.models.draft is None:
+            raise ValueError(f"speculation.method {self.speculation.method} needs models.draft")
         if not self.input.prompt_column and not self.input.messages_column:
             raise ValueError("input needs prompt_column or messages_column")
         if self.models.target.tensor_parallel > 1:

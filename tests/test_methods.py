@@ -212,15 +212,15 @@ def test_alignment_top_ids_are_each_rows_own(target, prompts):
 
 
 def test_a_method_is_decided_in_its_table_entry_alone():
-    """specdec/choices.py is the one place a method is compared by name: no other module of the engine, the workers
-    or the jobs reads `.method ==`, `.method !=` or `.method in` (each asks the method's entry), and every entry
-    answers what the others ask of it."""
+    """specdec/choices.py is the one place a method is compared by name: no other module of the engine, the workers,
+    the jobs or the Python doors reads `.method ==`, `.method !=` or `.method in` (each asks the method's entry), and
+    every entry answers what the others ask of it."""
     import re
     from pathlib import Path
 
     from specdec.choices import METHODS
     root = Path(__file__).resolve().parents[1]
-    compared = [f"{path.relative_to(root)}:{i}" for folder in ("specdec", "workers", "jobs")
+    compared = [f"{path.relative_to(root)}:{i}" for folder in ("specdec", "workers", "jobs", "specbatch")
                 for path in sorted((root / folder).rglob("*.py")) if path.name != "choices.py"
                 for i, line in enumerate(path.read_text().splitlines(), 1)
                 if re.search(r"\.method\s*(==|!=|\bin\b|\bnot in\b)", line)]

@@ -148,6 +148,8 @@ class Pool:
 
         pending = [m for m in self.members if m.ready is not None]
         stages = loading.read(self.key) if pending else {}
+        if stages is None:  # the store did not answer: say nothing rather than call placed workers unplaced
+            return
         placed = [(m, stages[m.key]) for m in pending if m.key in stages]
         if len(placed) <= STAGE_LINES:
             for m, st in placed:

@@ -212,9 +212,9 @@ def test_n_samples_share_a_prefill_and_are_distinct_reproducible_draws(bpe, prom
     prefilled = []
     prefill = ModelRunner.prefill
 
-    def spy(self, tokens, start, end, *args):
+    def spy(self, tokens, start, end, *args, **kwargs):
         prefilled.append(end - start)
-        return prefill(self, tokens, start, end, *args)
+        return prefill(self, tokens, start, end, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "prefill", spy)
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5, n=4)

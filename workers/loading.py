@@ -39,8 +39,9 @@ class Stages:
             pass
 
 
-def read(prefix: str) -> dict[str, dict]:
-    """The stages written under keys starting with `prefix`, by key ({} where there are none or no store)."""
+def read(prefix: str) -> dict[str, dict] | None:
+    """The stages written under keys starting with `prefix`, by key ({} where there are none; None where the store
+    could not be read: nothing is known then, not that no worker was placed)."""
     try:
         from ray.experimental import internal_kv
 
@@ -51,7 +52,7 @@ def read(prefix: str) -> dict[str, dict]:
                 out[key.decode()] = json.loads(value)
         return out
     except Exception:
-        return {}
+        return None
 
 
 def clear(prefix: str) -> None:

@@ -334,6 +334,10 @@ def test_the_driver_says_what_a_loading_worker_does_and_what_an_unplaced_one_wai
             assert time.monotonic() - t0 < 300
             time.sleep(0.1)
         pid = next(gate.glob("*.init")).name.split(".")[0]
+        from workers import loading
+        while not (loading.read(pool.key) or {}):  # the stage it told, visible to the driver
+            assert time.monotonic() - t0 < 300
+            time.sleep(0.1)
         pool.say_waiting(long_ago)
         assert len(said) == 1 and said[0].startswith("specbatch: worker ") and f":{pid} on node " in said[0]
         assert said[0].endswith("s since it started)") and ": loading the models on cpu (" in said[0]

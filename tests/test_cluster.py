@@ -41,6 +41,11 @@ def cluster():
     c.wait_for_nodes()
     yield c
     c.shutdown()
+    import ray
+    from ray.experimental import internal_kv
+
+    if ray.is_initialized():  # shutdown resets this process's key-value client, which the session's Ray still needs
+        internal_kv._initialize_internal_kv(ray._private.worker.global_worker.gcs_client)
 
 
 def job(tmp_path, tiny_pair, **over):

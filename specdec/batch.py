@@ -171,6 +171,7 @@ class Batch:
     proposer: Proposer  # set once the batch exists (a proposer keeps per-row state of it)
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
     prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/prefix.py), when prefix caching is on
+    prefill_chunk: int | None = None  # most prompt tokens (rows x tokens) one prefill forward takes; None: all
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int):
         self.target = target
@@ -230,18 +231,44 @@ class Batch:
             for i, slot in enumerate(range(start, end)):
                 reused[i] = store.load(runner.cache.k, runner.cache.v, slot,
                                        store.match(self.rows[slot].tokens, int(cached[i])))
-        t = int((cached - reused).max(initial=0))
-        ids = None
-        if t > 0 and reused.any():
-            cols = np.minimum(reused[:, None] + np.arange(t), self.max_len - 1)
-            runner.prefill(self.seq[start:end].gather(1, self.to_device(cols)), start, end, offsets=reused)
-        elif t > 0:
-            lengths = self.to_device(cached) if top_ids else None
-            ids = runner.prefill(self.seq[start:end, :t], start, end, top_ids, lengths)
+        ids = self.forwards(runner, start, reused, cached, top_ids)
         if store is not None:
             for i, slot in enumerate(range(start, end)):
                 store.store(runner.cache.k, runner.cache.v, slot, self.rows[slot].tokens, int(cached[i]))
         return reused, ids
+
+    def forwards(self, runner, start: int, done: np.ndarray, upto: np.ndarray,
+                  top_ids: int = 0) -> torch.Tensor | None:
+        """Cache positions done[i]..upto[i]-1 of rows start + i, in forwards of at most `prefill_chunk` tokens
+        (rows x columns, the columns of a forward being the same for its rows: a whole prompt's tokens when the
+        chunk allows); returns the top ids at those positions [rows, max(upto - done), top_ids] (with `top_ids`,
+        which needs done == 0)."""
+        n, t = len(done), int((upto - done).max(initial=0))
+        if t <= 0:
+            return None
+        chunk = self.prefill_chunk or n * t
+        group = min(n, chunk)  # rows per forward
+        width = max(1, chunk // group)  # tokens per row per forward
+        parts = []
+        for a in range(0, n, group):
+            b = min(n, a + group)
+            left = upto[a:b] - done[a:b]
+            cols = []
+            for c in range(0, int(left.max()), width):
+                w = min(width, int(left.max()) - c)
+                offsets = done[a:b] + c
+                lengths = self.to_device(np.clip(left - c, 0, w)) if top_ids else None
+                rows = (start + a, start + b)
+                if offsets.any():
+                    at = np.minimum(offsets[:, None] + np.arange(w), self.max_len - 1)
+                    cols.append(runner.prefill(self.seq[rows[0]:rows[1]].gather(1, self.to_device(at)), *rows,
+                                               top_ids, lengths, offsets=offsets))
+                else:  # fresh rows from position 0
+                    cols.append(runner.prefill(self.seq[rows[0]:rows[1], :w], *rows, top_ids, lengths))
+            if top_ids:
+                ids = torch.cat(cols, dim=1)
+                parts.append(torch.nn.functional.pad(ids, (0, 0, 0, t - ids.shape[1])))
+        return torch.cat(parts) if top_ids else None
 
     def append(self, tokens: dict[int, list[int]]) -> None:
         """Rows (by slot) emitted these tokens outside a round (jump-forward): one copy to the device."""

@@ -61,14 +61,18 @@ class SpecEngine:
     `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py); `profile`: measured
     costs to plan from instead of measuring them (specdec/costmodel.py); `clock`: what rounds are timed by (a test
     may drive a fake one). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
-    for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized)."""
+    for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
+    `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
-                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30):
+                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 8192):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1 (or None: no chunks)")
+        self.prefill_chunk = prefill_chunk
         self.method = METHODS[spec.method]
         if self.method.draft_model and pair.draft is None:
             raise ValueError(f"speculation.method {spec.method} needs a pair with a draft model")
@@ -168,7 +172,7 @@ class SpecEngine:
         freed += self.prefix.nbytes if self.prefix is not None else 0  # kept prefixes yield to rows
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
-                                 additive_mask=self.device.type == "cuda")
+                                 additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk)
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
@@ -256,6 +260,7 @@ class SpecEngine:
         batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size)
         draft = self.runner("draft", rows, max_len) if self.method.draft_model else None
         batch.proposer = self.method.proposer(batch, self.spec, policy, self.context.rule, draft)
+        batch.prefill_chunk = self.prefill_chunk
         policy.attach(batch.slots)
         return batch
 

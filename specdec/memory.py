@@ -10,9 +10,10 @@ allocation replaces them):
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
   working memory of one step;
-- activations, the largest of: the target's prefill of every row of the batch in one forward (rows join by
-  a prefill, a whole batch at first), the draft's catch-up of whole rows (rows that joined while the policy
-  did not draft), and a round: one step, and the float32 work on the draft's and the target's distributions;
+- activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
+  first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), the draft's
+  catch-up of whole rows (rows that joined while the policy did not draft), and a round: one step, and the
+  float32 work on the draft's and the target's distributions;
 - `slack` for what is neither (cuBLAS workspaces, the allocator's rounding).
 A batch that does not fit runs with fewer rows; a config whose one row of a one-token prompt does not fit is
 refused at start (`OutOfMemoryPlan`, naming the figures and the keys to change).
@@ -163,6 +164,7 @@ class MemoryPlan:
     kv_bucket: int  # the smallest attention window of a captured step (ModelRunner.min_kv_bucket)
     prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
+    prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     slack: int = GiB // 2
 
     @property
@@ -180,11 +182,28 @@ class MemoryPlan:
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        acts = [self._forward(self.roles[0], batch, prompt, prompt, "top_ids" if self.prompt_top_ids else "none"),
+        acts = [self.prefill(self.roles[0], batch, prompt),
                 self._forward(self.roles[0], step_rows, self.width, max_len, "all")
                 + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
-        acts += [self._forward(role, batch, row_len, row_len, "last") for role in self.roles[1:]]
+        acts += [self.catch_up(role, batch, row_len) for role in self.roles[1:]]
         return Need(rows, max_len, batch, kv, graphs, max(acts))
+
+    def prefill(self, role: Role, batch: int, prompt: int) -> int:
+        """Peak bytes of a prefill of `batch` rows of up to `prompt` tokens: its largest forward (rows x tokens
+        within `prefill_chunk`, attending over the whole prompt), and for the target the top ids kept of every
+        forward."""
+        rows = min(batch, self.prefill_chunk or batch)
+        tokens = min(prompt, max(1, (self.prefill_chunk or rows * prompt) // rows))
+        top_ids = self.prompt_top_ids if role is self.roles[0] else 0
+        kept = 8 * top_ids * batch * prompt
+        return self._forward(role, rows, tokens, prompt, "top_ids" if top_ids else "none") + kept
+
+    def catch_up(self, role: Role, batch: int, row_len: int) -> int:
+        """Peak bytes of the draft's catch-up of whole rows: one forward with each row's last logits, or, past
+        `prefill_chunk` tokens, a prefill in chunks and then that forward over the last token alone."""
+        if self.prefill_chunk is None or batch * row_len <= self.prefill_chunk:
+            return self._forward(role, batch, row_len, row_len, "last")
+        return max(self.prefill(role, batch, row_len), self._forward(role, batch, 1, row_len, "last"))
 
     def keys(self, rows: int, max_len: int) -> dict[str, set[tuple]]:
         """Per model whose steps are captured, every key (rows, width, window, all positions) a runner over caches

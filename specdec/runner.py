@@ -79,15 +79,14 @@ class ModelRunner:
     def prefill(self, tokens: torch.Tensor, start: int, end: int, top_ids: int = 0,
                 lengths: torch.Tensor | None = None, offsets: np.ndarray | None = None) -> torch.Tensor | None:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
-        junk past their length, masked until overwritten). With `top_ids` > 0, returns the model's `top_ids`
-        most likely next ids at every position [end - start, t, top_ids], computed where a position < lengths[row]
-        (None: every position) and 0 past it. `offsets` [end - start] (host): row i's tokens go at positions
-        offsets[i].. instead, after the slots its cache row already holds (a reused prefix, specdec/prefix.py)."""
+        junk past their length, masked until overwritten). `offsets` [end - start] (host): row i's tokens go at
+        positions offsets[i].. instead, after the slots its cache row already holds (a reused prefix,
+        specdec/prefix.py; a prefill in chunks, specdec/batch.py). With `top_ids` > 0, returns the model's
+        `top_ids` most likely next ids at every given token [end - start, t, top_ids], computed where the token's
+        column < lengths[row] (None: every column) and 0 past it."""
         if offsets is not None:
-            if top_ids:
-                raise ValueError("a prefill after reused slots gives no top ids")
-            return self._extend(tokens, start, end, offsets)
-        if self.lean is not None:
+            hidden = self._extend(tokens, start, end, offsets)
+        elif self.lean is not None:
             rows = torch.arange(start, end, device=self.device)
             hidden = llama.prefill(self.lean, self.cache.k, self.cache.v, tokens, rows)
         else:
@@ -105,17 +104,17 @@ class ModelRunner:
         out[valid] = torch.cat([self.logits(h).topk(top_ids, dim=-1).indices for h in flat.split(chunk)])
         return out
 
-    def _extend(self, tokens: torch.Tensor, start: int, end: int, offsets: np.ndarray) -> None:
-        """Rows [start, end) go on from offsets[i] cached slots: their tokens attend to those and to each other."""
+    def _extend(self, tokens: torch.Tensor, start: int, end: int, offsets: np.ndarray) -> torch.Tensor:
+        """Rows [start, end) go on from offsets[i] cached slots: their tokens attend to those and to each other.
+        Returns the hidden states [end - start, t, d]."""
         t = tokens.shape[1]
         positions = torch.from_numpy(np.asarray(offsets, dtype=np.int64)).to(self.device)[:, None] \
             + torch.arange(t, device=self.device)
         kv_len = min(int(np.max(offsets)) + t, self.cache.max_len)
         if self.lean is not None:
-            llama.forward(self.lean, [k[start:end] for k in self.cache.k], [v[start:end] for v in self.cache.v],
-                          tokens, positions, kv_len, llama.layer_forward)
-        else:
-            forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
+            return llama.forward(self.lean, [k[start:end] for k in self.cache.k],
+                                 [v[start:end] for v in self.cache.v], tokens, positions, kv_len, llama.layer_forward)
+        return forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over hidden states [..., d] -> [..., vocab]."""

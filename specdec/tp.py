@@ -142,8 +142,8 @@ class Rank:
         self.runners.pop(key, None)  # the old cache goes before the new one comes
         self.runners[key] = ShardRunner(self.shard, RaggedKVCache(self.shard, rows, max_len), self.group)
 
-    def prefill(self, key: int, tokens, start, end, top_ids, lengths):
-        return self.runners[key].prefill(tokens, start, end, top_ids, lengths)
+    def prefill(self, key: int, tokens, start, end, top_ids, lengths, offsets):
+        return self.runners[key].prefill(tokens, start, end, top_ids, lengths, offsets)
 
     def step(self, key: int, tokens, positions, kv_len, last, slots, mask):
         return self.runners[key].step(tokens, positions, kv_len, last, slots=slots, mask=mask)
@@ -206,8 +206,8 @@ class TPRunner:
     def path(self) -> str:
         return f"{self.own.path}-tp{self.rank.group.world}"
 
-    def prefill(self, tokens: torch.Tensor, start: int, end: int, top_ids: int = 0, lengths=None):
-        return self.call("prefill", tokens, start, end, top_ids, lengths)
+    def prefill(self, tokens: torch.Tensor, start: int, end: int, top_ids: int = 0, lengths=None, offsets=None):
+        return self.call("prefill", tokens, start, end, top_ids, lengths, offsets)
 
     def step(self, tokens, positions, kv_len, last=None, slots=None, mask=None):
         return self.call("step", tokens, positions, kv_len, last, slots, mask)

@@ -84,11 +84,11 @@ def models():
 
 
 def make_engine(models, method="draft_model", bs=4, max_new=16, m=4, draft="draft", figures=(1 << 40, 1 << 40),
-                sp=None, **spec):
+                sp=None, prefill_chunk: int | None = 8192, **spec):
     spec = {"max_draft_tokens": m, "num_draft_tokens": m, "draft_length": "fixed", **spec}
     eng = SpecEngine(pair(models["target"], models[draft] if method == "draft_model" else None),
                      SamplingParams(max_new_tokens=max_new, **(sp or {})), SpecConfig(method=method, **spec),
-                     batch_size=bs, step_graphs=True, profile=flat_profile())
+                     batch_size=bs, step_graphs=True, profile=flat_profile(), prefill_chunk=prefill_chunk)
     eng.device_memory = lambda: figures
     return eng
 
@@ -125,6 +125,10 @@ GRID = [  # method, batch size, prompt lengths, max_new_tokens, max_draft_tokens
     ("none", 3, [200, 5, 40], 30, 4, {}),
     ("prompt_lookup", 4, [60, 20, 90], 20, 4, {"prompt_lookup": {"alignment_sampling": 2}}),
     ("prompt_lookup", 6, [40] * 7, 64, 2, {}),
+    ("none", 3, [400, 350, 40], 16, 4, {"prefill_chunk": 128}),  # the prefill in forwards of 3 rows x 42 tokens
+    ("prompt_lookup", 4, [300, 20, 250], 8, 4, {"prefill_chunk": 100, "prompt_lookup": {"alignment_sampling": 2}}),
+    ("draft_model", 2, [300, 10], 100, 8, {"draft": "small", "draft_length": "heuristic", "num_draft_tokens": 0,
+                                           "prefill_chunk": 64}),  # both models prefill in chunks
 ]
 
 
@@ -253,6 +257,24 @@ def test_the_plan_sizes_rows_by_what_fits(models):
     assert memory.kv_bytes_per_token([models["target"]] * 2) == 2 * 2 * (2 * 2 * 16 * 4)  # 2 layers, K+V, 2x16, fp32
     assert memory.device_memory(torch.device("cpu")) is None and SpecEngine(
         pair(models["target"]), SamplingParams(), SpecConfig(method="none")).memory_plan() is None  # CPU: not planned
+
+
+def test_a_chunked_prefill_is_planned_one_chunk_at_a_time():
+    """An 8B target's first admission of 64 rows x 2,048 tokens: in one forward it holds ~17 GiB of activations; in
+    forwards of 8,192 tokens (each over the whole prompt's keys) under 2 GiB, and the chunk bounds rows x tokens."""
+    shape = memory.Shape(layers=32, heads=32, kv_heads=8, head_dim=128, d=4096, intermediate=14336, vocab=128256,
+                         itemsize=2)
+
+    target = memory.Role("target", shape, True)
+
+    def plan(chunk):
+        return memory.MemoryPlan([target], 0.9, 80 * GiB, 16 * GiB, 5, 64, prefill_chunk=chunk)
+
+    whole, chunked = plan(None).prefill(target, 64, 2048), plan(8192).prefill(target, 64, 2048)
+    assert 12 * GiB < whole < 24 * GiB and chunked < 2 * GiB
+    assert chunked == shape.forward(64, 128, 2048)  # 64 rows x 128 tokens
+    assert plan(8192).prefill(target, 1, 2048) == plan(None).prefill(target, 1, 2048)  # within one chunk: one forward
+    assert plan(16).prefill(target, 64, 2048) == shape.forward(16, 1, 2048)  # fewer tokens than rows: rows in groups
 
 
 def test_the_allocated_length_is_a_power_of_two_and_one_within_the_positions(models):

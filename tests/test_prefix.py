@@ -1,4 +1,4 @@
-"""Prefix caching's store (specdec/prefix.py) and a prefill that goes on after reused slots."""
+"""Prefix caching's store (specdec/prefix.py), a prefill that goes on after reused slots, and a prefill in chunks."""
 
 from __future__ import annotations
 
@@ -203,3 +203,92 @@ def test_a_job_counts_reused_prompt_tokens_in_its_rows_manifest_status_and_opena
         assert cli(["status", path]) == 0
         assert f"({reused} of them reused from cached prefixes)" in capsys.readouterr().out
     assert {k: r["token_ids"] for k, r in outs[True].items()} == {k: r["token_ids"] for k, r in outs[False].items()}
+
+
+@pytest.mark.parametrize("chunk", [3, 16])
+@pytest.mark.parametrize("method,extra", [("none", {}), ("draft_model", {}),
+                                          ("prompt_lookup", {"prompt_lookup": {"alignment_sampling": 2}})])
+def test_a_prefill_in_chunks_keeps_transformers_tokens(target, drafts, prompts, reference, method, extra, chunk,
+                                                       monkeypatch):
+    """Prompts of 1-30 tokens prefilled in forwards of at most `chunk` tokens (3: fewer than the rows, so rows go
+    in groups of 3, one token each; 16: every row, a few tokens at a time), with and without prefix caching: the
+    tokens of transformers' greedy generate, and no forward over the chunk."""
+    from engine_models import engine
+    from specdec.runner import ModelRunner
+
+    sizes = []
+    real = ModelRunner.prefill
+
+    def spy(self, tokens, *args, **kwargs):
+        sizes.append(tokens.numel())
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", spy)
+    for caching in (True, False):
+        eng = engine(target, drafts["noisy"], method, bs=4, prefix_caching=caching, prefill_chunk=chunk, **extra)
+        assert [r.token_ids for r in eng.generate(prompts)] == reference
+    assert sizes and max(sizes) <= chunk and len(sizes) > 2 * len(prompts)
+
+
+def test_top_ids_from_a_prefill_in_chunks_are_the_whole_prefills(target, prompts):
+    """Alignment sampling's top ids at every prompt position (specdec/batch.py's chunk loop gathers each forward's):
+    the same ids, zero past each row's length, as one forward over the whole admission."""
+    from engine_models import pair
+    from specdec.config import SamplingParams, SpecConfig
+    from specdec.engine import SpecEngine
+    from specdec.policies.simple import FixedLength
+    from specdec.batch import Row
+
+    out = []
+    for chunk in (None, 5):
+        eng = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=4), SpecConfig(
+            method="prompt_lookup", prompt_lookup={"alignment_sampling": 2}), batch_size=4, prefill_chunk=chunk)
+        batch = eng.new_batch(4, 64, FixedLength(eng.spec))
+        rows = [Row(i, None, list(p), None, 0.0, SamplingParams()) for i, p in enumerate(prompts[:4])]
+        batch.write_rows(0, rows)  # 5, 17, 1 and 9 tokens
+        out.append(batch.prefill_target(0, 4, 3)[0])
+    assert out[0].shape == out[1].shape == (4, 16, 3) and (out[0] == out[1]).all() and out[0][1].any()
+
+
+def test_a_draft_catching_up_on_whole_rows_does_it_in_chunks(target, drafts, prompts, monkeypatch):
+    """Rows that joined while the policy drafted nothing (goodput at K = 0) have an empty draft cache; the first
+    drafting round feeds them whole. With a chunk of 8 tokens the draft fills its cache in forwards of at most 8
+    tokens and steps the last token alone: the same last logits and the same cache as one forward (float32)."""
+    from engine_models import pair
+    from specdec.batch import Row
+    from specdec.config import SamplingParams, SpecConfig
+    from specdec.engine import SpecEngine
+    from specdec.policies.simple import FixedLength
+    from specdec.runner import ModelRunner
+
+    sizes = []
+    real_prefill, real_step = ModelRunner.prefill, ModelRunner.step
+
+    def prefill(self, tokens, *args, **kwargs):
+        sizes.append(tokens.numel())
+        return real_prefill(self, tokens, *args, **kwargs)
+
+    def step(self, tokens, *args, **kwargs):
+        sizes.append(tokens.numel())
+        return real_step(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    monkeypatch.setattr(ModelRunner, "step", step)
+    out = {}
+    for chunk in (None, 8):
+        eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=4),
+                         SpecConfig(method="draft_model"), batch_size=4, prefix_caching=False, prefill_chunk=chunk)
+        batch = eng.new_batch(4, 64, FixedLength(eng.spec))
+        rows = [Row(i, None, list(p), None, 0.0, SamplingParams()) for i, p in enumerate(prompts[4:8])]
+        batch.write_rows(0, rows)  # 30, 3, 12 and 8 tokens
+        batch.proposer.admit(0, 4, drafting=False)
+        sizes.clear()
+        with torch.inference_mode():
+            logits, _ = batch.proposer.catch_up(4)
+        cache = batch.proposer.runner.cache
+        out[chunk] = (logits.clone(), [cache.k[0][i, :, : len(p)].clone() for i, p in enumerate(prompts[4:8])],
+                      max(sizes), len(sizes))
+    (whole, whole_cache, whole_max, whole_n), (part, part_cache, part_max, part_n) = out[None], out[8]
+    assert whole_n == 1 and whole_max == 4 * 30 and part_max <= 8 and part_n > 4
+    assert torch.allclose(whole, part, atol=1e-5) and torch.equal(whole.argmax(-1), part.argmax(-1))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole_cache, part_cache))

@@ -65,8 +65,10 @@ def one_process(tiny_pair, tmp_path_factory, ray_session):
      "prompt_lookup": {"alignment_sampling": 2}},
 ], ids=["draft-fixed", "lookup-tree-fixed"])
 def test_two_ranks_give_the_tokens_of_one(tmp_path, tiny_pair, ray_session, one_process, speculation):
+    """Every rank prefills in chunks of 5 tokens (one process took each admission whole): the same tokens."""
     path, _ = config(tmp_path, tiny_pair, rows_of(ROWS), resources__num_workers=1, resources__shard_size=6,
-                     **split(tiny_pair), **{f"speculation__{k}": v for k, v in speculation.items()})
+                     resources__prefill_chunk=5, **split(tiny_pair),
+                     **{f"speculation__{k}": v for k, v in speculation.items()})
     summary = run_job(load_spec(path), progress=False)
     out, _ = read_out(tmp_path / "out")
     assert {k: r["token_ids"] for k, r in out.items()} == one_process

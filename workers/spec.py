@@ -52,6 +52,10 @@ class ResourcesSpec(Config):
     prefix_cache_gib: float = Field(1.0, ge=0, description="most memory the kept prefixes take on a worker's device "
                                     "(least recently used evicted first); on a GPU it is set aside within "
                                     "`gpu_memory_fraction`", json_schema_extra=NEUTRAL)
+    prefill_chunk: int | None = Field(8192, ge=1, description="most prompt tokens (rows x tokens) one prefill "
+                                      "forward takes, so that admitting many long prompts neither spikes memory "
+                                      "nor needs room for them all at once (the GPU memory plan counts one chunk); "
+                                      "null: each admission in one forward", json_schema_extra=NEUTRAL)
     shard_size: int = Field(256, ge=1, description="rows per part")
     max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
                              "worker and runs the shard again)", json_schema_extra=NEUTRAL)
@@ -75,9 +79,10 @@ class ResourcesSpec(Config):
             raise ValueError(f"{value!r} is not a number of workers: {form}")
         return value
 
-    def prefix_settings(self) -> dict:
-        """The engine's prefix caching arguments (specdec.engine.SpecEngine)."""
-        return {"prefix_caching": self.prefix_caching, "prefix_cache_bytes": int(self.prefix_cache_gib * (1 << 30))}
+    def engine_settings(self) -> dict:
+        """The engine's prefix caching and prefill arguments (specdec.engine.SpecEngine)."""
+        return {"prefix_caching": self.prefix_caching, "prefix_cache_bytes": int(self.prefix_cache_gib * (1 << 30)),
+                "prefill_chunk": self.prefill_chunk}
 
     def worker_limits(self) -> tuple[int, int | None]:
         """(min, max) of `num_workers`: N is (N, N), `auto` is (1, None): as many as fit."""

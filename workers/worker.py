@@ -71,7 +71,7 @@ class GenerationWorker:
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction,
-                                 **spec.resources.prefix_settings())
+                                 **spec.resources.engine_settings())
         if self.engine.needs_costs:
             stage("measuring the pair's step costs (draft_length: goodput)")
         with _group_guard():
@@ -150,7 +150,7 @@ class GenerationWorker:
             self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
                                        batch_size=self.engine.batch_size,
                                        gpu_memory_fraction=self.spec.resources.gpu_memory_fraction,
-                                       **self.spec.resources.prefix_settings())
+                                       **self.spec.resources.engine_settings())
         return self._control
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],

@@ -54,9 +54,13 @@ class DraftModelProposer(Proposer):
 
     def catch_up(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row what its draft cache lacks, seq[d_len : seq_len] (ragged, right-padded); returns the
-        logits [n, vocab] and hidden states [n, d] at each row's last token."""
+        logits [n, vocab] and hidden states [n, d] at each row's last token. More tokens than the batch's
+        `prefill_chunk` (rows that joined while the policy did not draft) go in chunks first, the last alone."""
         b = self.batch
         lens, d_len = b.lens[:n], self.d_len[:n]
+        if b.prefill_chunk and n * int((lens - d_len).max(initial=0)) > b.prefill_chunk:
+            b.forwards(self.runner, 0, d_len.copy(), lens - 1)
+            d_len[:] = lens - 1
         behind = lens - d_len  # >= 1: at least the pending token
         t0 = int(behind.max())
         catch = b.to_device(np.stack([d_len, behind - 1]))  # one copy: [2, n]

@@ -64,6 +64,15 @@ def resolve_output_path(path: str, date: str | None = None) -> str:
     return out
 
 
+def check_sections(spec) -> None:
+    """What a job's and a Generator's sections must agree on: a method that drafts with a model has one, and a row
+    has a prompt."""
+    if METHODS[spec.speculation.method].draft_model and spec.models.draft is None:
+        raise ValueError(f"speculation.method {spec.speculation.method} needs models.draft")
+    if not spec.input.prompt_column and not spec.input.messages_column:
+        raise ValueError("input needs prompt_column or messages_column")
+
+
 class JobSpec(Config):
     name: str = Field(description="job name (in the manifest)", json_schema_extra=NEUTRAL)
     input: InputSpec = Field(description="the rows")
@@ -92,10 +101,7 @@ class JobSpec(Config):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if METHODS[self.speculation.method].draft_model and self.models.draft is None:
-            raise ValueError(f"speculation.method {self.speculation.method} needs models.draft")
-        if not self.input.prompt_column and not self.input.messages_column:
-            raise ValueError("input needs prompt_column or messages_column")
+        check_sections(self)
         return self
 
     def worker_spec(self, cluster_gpus: float) -> WorkerSpec:

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 
 from pydantic import Field, ValidationError, model_validator
 
-from jobs.spec import ConfigError, format_errors, read_config
-from specdec.choices import METHODS
+from jobs.spec import ConfigError, check_sections, format_errors, read_config
 from specdec.config import Config, ModelsConfig, SamplingParams, SpecConfig
 from workers.inputs import InputSpec, Record, usable_id
 from workers.outputs import OutputSpec, output_table, parsed_types
@@ -55,10 +54,7 @@ class GeneratorSpec(Config):
 
     @model_validator(mode="after")
     def _one_process(self):
-        if METHODS[self.speculation.method].draft_model and self.models.draft is None:
-            raise ValueError(f"speculation.method {self.speculation.method} needs models.draft")
-        if not self.input.prompt_column and not self.input.messages_column:
-            raise ValueError("input needs prompt_column or messages_column")
+        check_sections(self)
         if self.models.target.tensor_parallel > 1:
             raise ValueError("models.target.tensor_parallel: a Generator runs the target in one process; "
                              "split it over GPUs with `specbatch run`")
@@ -126,7 +122,7 @@ class Generator:
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction,
-                                 **spec.resources.prefix_settings())
+                                 **spec.resources.engine_settings())
         self.engine.measure_costs()  # goodput's cost profile: once, as a job's worker does while it loads
 
     def generate(self, prompts: str | dict | Iterable[str | list | dict], **settings) -> list[dict]:

@@ -74,18 +74,9 @@ def readme_python_example() -> str:
 def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch, capsys):
     """The example, verbatim, where `configs/demo.yaml` is the demo's config with the tiny byte-level pair for
     models (the API as written, in seconds; the real target: the slow test below)."""
-    from conftest import make_model
-    from test_synthesis import bpe_tokenizer
+    from test_synthesis import bpe_models
 
-    models = {}
-    for name, layers, seed in (("target", 2, 3), ("draft", 1, 4)):
-        folder = str(tmp_path / name)
-        tok = bpe_tokenizer()
-        tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
-                             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-        tok.save_pretrained(folder)
-        make_model(folder, len(tok), layers, seed, tok.eos_token_id)
-        models[name] = {"path": folder, "dtype": "float32"}
+    models = {name: {"path": folder, "dtype": "float32"} for name, folder in bpe_models(tmp_path).items()}
     demo = yaml.safe_load(open(os.path.join(ROOT, "configs", "demo.yaml")))
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "demo.yaml").write_text(yaml.safe_dump({**demo, "models": {"target": models["target"]}}))

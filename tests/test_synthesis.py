@@ -48,6 +48,22 @@ def bpe_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
 
 
+def bpe_models(root) -> dict[str, str]:
+    """{'target', 'draft'}: HF folders under `root` of tiny Llamas over `bpe_tokenizer` with a chat template."""
+    from conftest import make_model
+
+    out = {}
+    for name, layers, seed in (("target", 2, 3), ("draft", 1, 4)):
+        folder = str(root / name)
+        tok = bpe_tokenizer()
+        tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+                             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        tok.save_pretrained(folder)
+        make_model(folder, len(tok), layers, seed, tok.eos_token_id)
+        out[name] = folder
+    return out
+
+
 @pytest.fixture(scope="module")
 def bpe():
     tok = bpe_tokenizer()

@@ -12,12 +12,11 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import make_model
 from job_helpers import write_jsonl
 from jobs.driver import run_job
 from jobs.spec import ConfigError, parse_spec
 from test_requests import openai_lines
-from test_synthesis import PERSON, bpe_tokenizer
+from test_synthesis import PERSON, bpe_models
 
 TOPICS = [{"id": f"t{i}", "topic": topic, "level": level} for i, (topic, level) in
           enumerate([("the fox", "first"), ("a dog", "second"), ("red", "third"), ("blue", "fourth"),
@@ -28,17 +27,7 @@ TEMPLATE = "Write a person about {topic} for a {level} reader."
 @pytest.fixture(scope="module")
 def bpe_pair(tmp_path_factory):
     """{'target', 'draft'}: HF folders of tiny Llamas over a byte-level BPE tokenizer with a chat template."""
-    root = tmp_path_factory.mktemp("bpe-models")
-    out = {}
-    for name, layers, seed in (("target", 2, 3), ("draft", 1, 4)):
-        folder = str(root / name)
-        tok = bpe_tokenizer()
-        tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
-                             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-        tok.save_pretrained(folder)
-        make_model(folder, len(tok), layers, seed, tok.eos_token_id)
-        out[name] = folder
-    return out
+    return bpe_models(tmp_path_factory.mktemp("bpe-models"))
 
 
 def synthesis_spec(tmp_path, pair, rows, out="out", **sections):

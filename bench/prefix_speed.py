@@ -1,9 +1,12 @@
 """Prefix caching on a synthesis-shaped job: one long shared instruction, a short input per row.
 
-    python bench/prefix_speed.py [--rows 48] [--batch 16] [--max-new 32] [--repeats 2] [--methods none,draft_model]
+    python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2] [--methods none,draft_model]
+        [--prompts synthesis|chat]
 
 Every row is the chat template over a ~1,000-token system prompt (a data-synthesis brief with worked examples,
-written for this benchmark) and a one-line user input. For each method, the same engine settings run with
+written for this benchmark) and a one-line user input; `--prompts chat`: held-out chat prompts instead
+(bench/prompts.py; they share only the chat template's system header), to check that caching costs nothing where
+little is shared. For each method and batch size, the same engine settings run with
 `prefix_caching` off and on, alternating over the repeats (the store emptied before each timed run, so the first
 rows pay their prefill), in one process: prints tokens/s, the ratio on/off (median and range over the repeats),
 prompt tokens computed and reused, and whether the outputs are the same tokens.
@@ -21,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair, sync  # noqa: E402
+from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
@@ -114,7 +118,8 @@ def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=48)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batches", "--batch", default="16", help="batch sizes, comma-separated")
+    ap.add_argument("--prompts", choices=("synthesis", "chat"), default="synthesis")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", default="none,draft_model")
@@ -122,15 +127,18 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     pair = load_bench_pair(args)
-    ids = prompts(pair.tokenizer, args.rows)
+    if args.prompts == "chat":
+        ids = chat_ids(pair.tokenizer, [HELD_OUT[i % len(HELD_OUT)] for i in range(args.rows)])
+    else:
+        ids = prompts(pair.tokenizer, args.rows)
     lens = [len(p) for p in ids]
-    print(f"# {args.rows} rows of {min(lens)}-{max(lens)} prompt tokens (one shared system prompt), batch "
-          f"{args.batch}, {args.max_new} new tokens, greedy, {describe(pair)}")
-    print(f"{'method':12s} {'caching':>7s} {'tok/s':>8s} {'on/off':>18s} {'prompt tok':>10s} {'computed':>9s} "
-          f"{'reused':>7s} {'same':>5s}")
-    for method in args.methods.split(","):
+    print(f"# {args.rows} rows of {min(lens)}-{max(lens)} prompt tokens ({args.prompts} prompts), {args.max_new} new "
+          f"tokens, greedy, {describe(pair)}")
+    print(f"{'method':12s} {'batch':>5s} {'caching':>7s} {'tok/s':>8s} {'on/off':>18s} {'prompt tok':>10s} "
+          f"{'computed':>9s} {'reused':>7s} {'same':>5s}")
+    for method, batch in [(m, int(b)) for m in args.methods.split(",") for b in args.batches.split(",")]:
         engines = {on: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method=method),
-                                  batch_size=args.batch, prefix_caching=on) for on in (False, True)}
+                                  batch_size=batch, prefix_caching=on) for on in (False, True)}
         for eng in engines.values():
             eng.measure_costs()
             eng.generate(ids[:2])  # warm: kernels, allocator, cache sizes
@@ -143,7 +151,8 @@ def main():
             r = runs[on][-1]
             same = sum(a == b for a, b in zip(r["tokens"], runs[False][-1]["tokens"]))
             ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if on else ""
-            print(f"{method:12s} {'on' if on else 'off':>7s} {statistics.median(x['tok_s'] for x in runs[on]):8.1f} "
+            print(f"{method:12s} {batch:5d} {'on' if on else 'off':>7s} "
+                  f"{statistics.median(x['tok_s'] for x in runs[on]):8.1f} "
                   f"{ratio:>18s} {r['prompt']:10d} {r['prompt'] - r['reused']:9d} {r['reused']:7d} "
                   f"{same:>2d}/{len(ids)}")
 

@@ -32,7 +32,7 @@ from .batch import Batch
 from .cache import RaggedKVCache, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
-from .costmodel import CostModel, Profile, VerifyWidths, pow2_at_least
+from .costmodel import CostModel, Profile, VerifyWidths
 from .prefix import Prefixes
 from .grammar import Constraints, GrammarError, Grammars
 from .models import ModelPair
@@ -179,11 +179,11 @@ class SpecEngine:
         return prompt_tokens + (max_new or self.sampling.max_new_tokens) + self.spec.max_nodes + 2
 
     def alloc_len(self, slots: int) -> int:
-        """Slots the engine allocates per row for rows of `slots` slots: room to grow, a power of two and one more
-        (no attention window, a power of two, spans the whole buffer, specdec/graphs.py), but never past the
-        models' positions: every slot's position has a RoPE table entry (specdec/llama.py). The one length both
-        the allocation and the memory plan count."""
-        return max(slots, min(pow2_at_least(slots) + 1, self.max_positions))
+        """Slots the engine allocates per row for rows of `slots` slots: room to grow, rounded up to a quarter of
+        a power of two (at most 1.25x; caches that grow take a few sizes per doubling), and one more (the slot
+        that padded positions are clamped into), but never past the models' positions: every slot's position has
+        a RoPE table entry (specdec/llama.py). The one length both the allocation and the memory plan count."""
+        return max(slots, min(memory.quarter_steps(slots) + 1, self.max_positions))
 
     def plan_check(self) -> None:
         """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""

@@ -4,8 +4,8 @@ The plan counts what the engine allocates and what its forwards hold at their pe
 under `gpu_memory_fraction` of the device once the weights are loaded (`used`: the weights, the process's
 other tensors, other processes; the engine's current caches and captured steps count as free, since a new
 allocation replaces them):
-- the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: a power of two and one, not
-  the rows' own length) x both models' KV bytes per token, and the batch's token buffer;
+- the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: rounded up, at most 1.25x, and
+  one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer;
 - captured steps (specdec/graphs.py): each key the runner can capture keeps its static inputs and outputs
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
@@ -96,6 +96,15 @@ class Shape:
         and each row's last position) and its outputs (logits and hidden states, of every position or the last)."""
         inputs = 16 * rows * width + (8 * rows if last else 0)
         return inputs + rows * (1 if last else width) * (self.vocab + self.d) * self.itemsize
+
+
+def quarter_steps(n: int) -> int:
+    """n rounded up to a multiple of a quarter of the power of two below it (powers of two up to 8): 1,000 ->
+    1,024, 1,025 -> 1,280, 2,076 -> 2,560; past 8, at most 1.25x n."""
+    if n <= 8:
+        return pow2_at_least(n)
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
 
 
 def row_buckets(rows: int) -> list[int]:

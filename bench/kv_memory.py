@@ -1,0 +1,77 @@
+"""KV memory for mixed prompt lengths: what the engine allocates against what its rows hold, and the rows a GPU
+budget admits, with the allocation rule of today and the power-of-two rule before it (2026-11-26).
+
+    python bench/kv_memory.py [--rows 256] [--min-len 50] [--max-len 2000] [--max-new 64] [--budget-gib 4]
+
+Prompt lengths are drawn uniformly from [min-len, max-len] (seeded). The real pair's engine (`method:
+draft_model`, both caches) is given device figures whose budget is `--budget-gib` (as the tests drive the plan on
+a CPU), and sizes its batch for the job as `generate()` does (`SpecEngine.sizes`). Prints, per rule: the slots a
+row gets, the rows admitted, and KV bytes allocated over KV bytes held, for a batch of the longest rows (the first
+admission, longest first) and for a batch of rows of the mean length (later admissions mix lengths). Nothing
+runs on the models: these are the engine's own sizing decisions, which tests/test_memory.py holds to the measured
+allocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
+
+from specdec import memory  # noqa: E402
+from specdec.config import SamplingParams, SpecConfig  # noqa: E402
+from specdec.costmodel import pow2_at_least  # noqa: E402
+from specdec.engine import SpecEngine  # noqa: E402
+
+
+def pow2_rule(eng: SpecEngine):
+    """The allocation rule before 2026-11-26: a power of two and one."""
+    return lambda slots: max(slots, min(pow2_at_least(slots) + 1, eng.max_positions))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--min-len", type=int, default=50)
+    ap.add_argument("--max-len", type=int, default=2000)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--budget-gib", type=float, default=4.0)
+    add_model_args(ap)
+    args = ap.parse_args()
+    pair = load_bench_pair(args)
+    rng = random.Random(0)
+    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
+    eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method="draft_model"),
+                     batch_size=args.rows, prefix_caching=False)
+    total = 80 * memory.GiB
+    budget = int(args.budget_gib * memory.GiB)
+    eng.device_memory = lambda: (int((1 - eng.gpu_memory_fraction) * total) + budget + memory.GiB // 2, total)
+    plan = eng.memory_plan()
+    per_token = memory.kv_bytes_per_token(m for m in (pair.target, pair.draft))
+    row_len = eng.row_tokens(max(lengths))
+    longest = sorted(lengths, reverse=True)
+    mean = sum(lengths) / len(lengths)
+    print(f"# {args.rows} prompts of {args.min_len}-{args.max_len} tokens (mean {mean:.0f}), {args.max_new} new, "
+          f"KV budget {args.budget_gib} GiB, {per_token} KV bytes per token (both models), {describe(pair)}")
+    print(f"{'rule':12s} {'slots/row':>9s} {'rows':>5s} {'KV GiB':>7s} {'alloc/held, longest':>20s} "
+          f"{'alloc/held, mean':>17s}")
+    rules = {"power of 2": pow2_rule(eng), "today": eng.alloc_len}
+    rows = {}
+    for name, rule in rules.items():
+        eng.alloc_len = rule
+        need = eng.sizes(args.rows, row_len, max(lengths), plan)
+        rows[name] = need.batch
+        held_longest = sum(n + args.max_new for n in longest[: need.batch]) * per_token
+        held_mean = need.batch * (mean + args.max_new) * per_token
+        alloc = need.rows * need.max_len * per_token
+        print(f"{name:12s} {need.max_len:9d} {need.batch:5d} {alloc / memory.GiB:7.2f} {alloc / held_longest:20.2f} "
+              f"{alloc / held_mean:17.2f}")
+    print(f"rows admitted, today / power of 2: {rows['today'] / rows['power of 2']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

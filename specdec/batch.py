@@ -204,10 +204,11 @@ class Batch:
         self.lens[start:end] = [len(r.tokens) for r in rows]
         self.n = end
 
-    def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft") -> np.ndarray:
-        """Cache all but the pending token of rows [start, end), taking what `model`'s prefix store holds of them
-        (specdec/prefix.py); returns their cached lengths."""
-        self._prefill(runner, start, end, model)
+    def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft",
+                done: np.ndarray | None = None) -> np.ndarray:
+        """Cache all but the pending token of rows [start, end) after the `done` slots each holds already (None:
+        none), taking what `model`'s prefix store holds of them (specdec/prefix.py); returns their cached lengths."""
+        self._prefill(runner, start, end, model, done=done)
         return self.lens[start:end] - 1
 
     def prefill_target(self, start: int, end: int, top_ids: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
@@ -220,25 +221,30 @@ class Batch:
             ids = torch.zeros((end - start, 0, top_ids), dtype=torch.int64)
         return (None if ids is None else ids.cpu().numpy()), reused
 
-    def _prefill(self, runner, start: int, end: int, model: str,
-                 top_ids: int = 0) -> tuple[np.ndarray, torch.Tensor | None]:
-        """Prefill rows [start, end) after the slots the prefix store of `model` gives them, then store their
-        blocks; returns the tokens each took from the store, and the top ids (with `top_ids`)."""
+    def _prefill(self, runner, start: int, end: int, model: str, top_ids: int = 0,
+                 done: np.ndarray | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Prefill rows [start, end) after the `done` slots they hold or the longer run of blocks the prefix store
+        of `model` gives them, then store their prompts' blocks; returns the tokens each took from the store, and
+        the top ids (with `top_ids`)."""
         cached = self.lens[start:end] - 1
+        have = np.zeros(end - start, dtype=np.int64) if done is None else np.array(done, dtype=np.int64)
         store = None if top_ids or self.prefixes is None else self.prefixes[model]
         reused = np.zeros(end - start, dtype=np.int64)
         if store is not None:
             for i, slot in enumerate(range(start, end)):
-                reused[i] = store.load(runner.cache.k, runner.cache.v, slot,
-                                       store.match(self.rows[slot].tokens, int(cached[i])))
-        ids = self.forwards(runner, start, reused, cached, top_ids)
-        if store is not None:
+                keys = store.match(self.rows[slot].tokens, int(cached[i]))
+                if len(keys) * store.block > have[i]:
+                    reused[i] = store.load(runner.cache.k, runner.cache.v, slot, keys)
+        ids = self.forwards(runner, start, np.maximum(have, reused), cached, top_ids)
+        if store is not None:  # the prompts' blocks (a row that catches up holds its output too)
             for i, slot in enumerate(range(start, end)):
-                store.store(runner.cache.k, runner.cache.v, slot, self.rows[slot].tokens, int(cached[i]))
+                row = self.rows[slot]
+                store.store(runner.cache.k, runner.cache.v, slot, row.tokens,
+                            min(int(cached[i]), row.result.prompt_tokens - 1))
         return reused, ids
 
     def forwards(self, runner, start: int, done: np.ndarray, upto: np.ndarray,
-                  top_ids: int = 0) -> torch.Tensor | None:
+                 top_ids: int = 0) -> torch.Tensor | None:
         """Cache positions done[i]..upto[i]-1 of rows start + i, in forwards of at most `prefill_chunk` tokens
         (rows x columns, the columns of a forward being the same for its rows: a whole prompt's tokens when the
         chunk allows); returns the top ids at those positions [rows, max(upto - done), top_ids] (with `top_ids`,

@@ -292,3 +292,52 @@ def test_a_draft_catching_up_on_whole_rows_does_it_in_chunks(target, drafts, pro
     assert whole_n == 1 and whole_max == 4 * 30 and part_max <= 8 and part_n > 4
     assert torch.allclose(whole, part, atol=1e-5) and torch.equal(whole.argmax(-1), part.argmax(-1))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole_cache, part_cache))
+
+
+def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monkeypatch):
+    """Rows whose draft cache is empty (they joined while the policy drafted nothing) take the blocks the draft's
+    store holds of their prompts when the draft catches up, and compute only the rest: the same last logits as a
+    catch-up without a store (float32)."""
+    from engine_models import pair
+    from specdec.batch import Row
+    from specdec.config import SampleResult, SamplingParams, SpecConfig
+    from specdec.engine import SpecEngine
+    from specdec.policies.simple import FixedLength
+    from specdec.runner import ModelRunner
+
+    computed = []  # tokens of the draft's forwards (a prefill or a step)
+    real_prefill, real_step = ModelRunner.prefill, ModelRunner.step
+
+    def prefill(self, tokens, *args, **kwargs):
+        computed.append(tokens.numel())
+        return real_prefill(self, tokens, *args, **kwargs)
+
+    def step(self, tokens, *args, **kwargs):
+        computed.append(tokens.numel())
+        return real_step(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill)
+    monkeypatch.setattr(ModelRunner, "step", step)
+    prompts = shared_prompts(4, shared=48)
+    out = {}
+    for caching in (False, True):
+        eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=4),
+                         SpecConfig(method="draft_model"), batch_size=4, prefix_caching=caching)
+
+        def batch(drafting: bool):
+            b = eng.new_batch(4, 128, FixedLength(eng.spec))
+            b.prefixes = eng.prefix
+            b.write_rows(0, [Row(i, SampleResult(key=i, prompt_tokens=len(p)), list(p), None, 0.0,
+                                 SamplingParams()) for i, p in enumerate(prompts)])
+            b.prefill_target(0, 4)
+            b.proposer.admit(0, 4, drafting=drafting)
+            return b
+
+        batch(drafting=True)  # an earlier admission that drafted: the draft's store holds the shared blocks
+        later = batch(drafting=False)
+        computed.clear()
+        with torch.inference_mode():
+            logits, _ = later.proposer.catch_up(4)
+        out[caching] = (logits.clone(), sum(computed))
+    assert torch.allclose(out[False][0], out[True][0], atol=1e-5)
+    assert out[True][1] <= out[False][1] - 4 * 48  # the shared 48 tokens of every row came from the store

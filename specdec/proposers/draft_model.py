@@ -54,13 +54,14 @@ class DraftModelProposer(Proposer):
 
     def catch_up(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row what its draft cache lacks, seq[d_len : seq_len] (ragged, right-padded); returns the
-        logits [n, vocab] and hidden states [n, d] at each row's last token. More tokens than the batch's
-        `prefill_chunk` (rows that joined while the policy did not draft) go in chunks first, the last alone."""
+        logits [n, vocab] and hidden states [n, d] at each row's last token. Rows that joined while the policy
+        did not draft (an empty draft cache) take what the draft's prefix store holds of them, and more tokens
+        than the batch's `prefill_chunk` go in chunks: both by a prefill of all but the last, then the last alone."""
         b = self.batch
         lens, d_len = b.lens[:n], self.d_len[:n]
-        if b.prefill_chunk and n * int((lens - d_len).max(initial=0)) > b.prefill_chunk:
-            b.forwards(self.runner, 0, d_len.copy(), lens - 1)
-            d_len[:] = lens - 1
+        stored = b.prefixes is not None and b.prefixes["draft"] is not None and not d_len.all()
+        if stored or (b.prefill_chunk and n * int((lens - d_len).max(initial=0)) > b.prefill_chunk):
+            d_len[:] = b.prefill(self.runner, 0, n, "draft", done=d_len)
         behind = lens - d_len  # >= 1: at least the pending token
         t0 = int(behind.max())
         catch = b.to_device(np.stack([d_len, behind - 1]))  # one copy: [2, n]

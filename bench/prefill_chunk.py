@@ -1,7 +1,7 @@
 """Prefill in chunks (`resources.prefill_chunk`) against one forward per admission, on the synthesis-shaped job of
 bench/prefix_speed.py with prefix caching off, so that every row prefills its whole ~1,000-token prompt.
 
-    python bench/prefill_chunk.py [--rows 16] [--batch 16] [--max-new 8] [--repeats 3] [--chunks none,8192,2048]
+    python bench/prefill_chunk.py [--rows 16] [--batch 16] [--max-new 8] [--repeats 3] [--chunks none,8192,2048,1024]
 
 For each chunk size (none: the whole admission in one forward) the same engine runs the job, the sizes alternating
 over the repeats in one process: prints seconds per job, its ratio to `none` (median and range over the repeats),
@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunks", default="none,8192,2048")
+    ap.add_argument("--chunks", default="none,8192,2048,1024")
     ap.add_argument("--method", default="none")
     add_model_args(ap)
     args = ap.parse_args()

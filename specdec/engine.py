@@ -67,7 +67,7 @@ class SpecEngine:
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
-                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 8192):
+                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if prefill_chunk is not None and prefill_chunk < 1:

@@ -50,7 +50,7 @@ def flat_profile(max_width: int = 65) -> Profile:
 
 
 def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), prefix_caching=True,
-           prefill_chunk: int | None = 8192, **spec) -> SpecEngine:
+           prefill_chunk: int | None = 2048, **spec) -> SpecEngine:
     """An engine with the job's default policy unless `spec` names another. goodput (the default) gets
     `flat_profile` and a clock that ticks once per round, so it drafts, the same way on any machine."""
     ticks = itertools.count()

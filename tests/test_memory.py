@@ -84,7 +84,7 @@ def models():
 
 
 def make_engine(models, method="draft_model", bs=4, max_new=16, m=4, draft="draft", figures=(1 << 40, 1 << 40),
-                sp=None, prefill_chunk: int | None = 8192, **spec):
+                sp=None, prefill_chunk: int | None = 2048, **spec):
     spec = {"max_draft_tokens": m, "num_draft_tokens": m, "draft_length": "fixed", **spec}
     eng = SpecEngine(pair(models["target"], models[draft] if method == "draft_model" else None),
                      SamplingParams(max_new_tokens=max_new, **(sp or {})), SpecConfig(method=method, **spec),

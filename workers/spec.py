@@ -52,7 +52,7 @@ class ResourcesSpec(Config):
     prefix_cache_gib: float = Field(1.0, ge=0, description="most memory the kept prefixes take on a worker's device "
                                     "(least recently used evicted first); on a GPU it is set aside within "
                                     "`gpu_memory_fraction`", json_schema_extra=NEUTRAL)
-    prefill_chunk: int | None = Field(8192, ge=1, description="most prompt tokens (rows x tokens) one prefill "
+    prefill_chunk: int | None = Field(2048, ge=1, description="most prompt tokens (rows x tokens) one prefill "
                                       "forward takes, so that admitting many long prompts neither spikes memory "
                                       "nor needs room for them all at once (the GPU memory plan counts one chunk); "
                                       "null: each admission in one forward", json_schema_extra=NEUTRAL)

@@ -205,6 +205,20 @@ def test_a_job_counts_reused_prompt_tokens_in_its_rows_manifest_status_and_opena
     assert {k: r["token_ids"] for k, r in outs[True].items()} == {k: r["token_ids"] for k, r in outs[False].items()}
 
 
+def forward_sizes(monkeypatch, steps: bool = False) -> list[int]:
+    """The tokens (rows x columns) of every prefill forward from now on, and of every step with `steps`."""
+    from specdec.runner import ModelRunner
+
+    sizes: list[int] = []
+    for name in ("prefill", "step") if steps else ("prefill",):
+        def spy(self, tokens, *args, _real=getattr(ModelRunner, name), **kwargs):
+            sizes.append(tokens.numel())
+            return _real(self, tokens, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, name, spy)
+    return sizes
+
+
 @pytest.mark.parametrize("chunk", [3, 16])
 @pytest.mark.parametrize("method,extra", [("none", {}), ("draft_model", {}),
                                           ("prompt_lookup", {"prompt_lookup": {"alignment_sampling": 2}})])
@@ -214,16 +228,8 @@ def test_a_prefill_in_chunks_keeps_transformers_tokens(target, drafts, prompts, 
     in groups of 3, one token each; 16: every row, a few tokens at a time), with and without prefix caching: the
     tokens of transformers' greedy generate, and no forward over the chunk."""
     from engine_models import engine
-    from specdec.runner import ModelRunner
 
-    sizes = []
-    real = ModelRunner.prefill
-
-    def spy(self, tokens, *args, **kwargs):
-        sizes.append(tokens.numel())
-        return real(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(ModelRunner, "prefill", spy)
+    sizes = forward_sizes(monkeypatch)
     for caching in (True, False):
         eng = engine(target, drafts["noisy"], method, bs=4, prefix_caching=caching, prefill_chunk=chunk, **extra)
         assert [r.token_ids for r in eng.generate(prompts)] == reference
@@ -259,21 +265,8 @@ def test_a_draft_catching_up_on_whole_rows_does_it_in_chunks(target, drafts, pro
     from specdec.config import SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
     from specdec.policies.simple import FixedLength
-    from specdec.runner import ModelRunner
 
-    sizes = []
-    real_prefill, real_step = ModelRunner.prefill, ModelRunner.step
-
-    def prefill(self, tokens, *args, **kwargs):
-        sizes.append(tokens.numel())
-        return real_prefill(self, tokens, *args, **kwargs)
-
-    def step(self, tokens, *args, **kwargs):
-        sizes.append(tokens.numel())
-        return real_step(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
-    monkeypatch.setattr(ModelRunner, "step", step)
+    sizes = forward_sizes(monkeypatch, steps=True)
     out = {}
     for chunk in (None, 8):
         eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=4),
@@ -303,21 +296,8 @@ def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monke
     from specdec.config import SampleResult, SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
     from specdec.policies.simple import FixedLength
-    from specdec.runner import ModelRunner
 
-    computed = []  # tokens of the draft's forwards (a prefill or a step)
-    real_prefill, real_step = ModelRunner.prefill, ModelRunner.step
-
-    def prefill(self, tokens, *args, **kwargs):
-        computed.append(tokens.numel())
-        return real_prefill(self, tokens, *args, **kwargs)
-
-    def step(self, tokens, *args, **kwargs):
-        computed.append(tokens.numel())
-        return real_step(self, tokens, *args, **kwargs)
-
-    monkeypatch.setattr(ModelRunner, "prefill", prefill)
-    monkeypatch.setattr(ModelRunner, "step", step)
+    computed = forward_sizes(monkeypatch, steps=True)  # tokens of the models' forwards (a prefill or a step)
     prompts = shared_prompts(4, shared=48)
     out = {}
     for caching in (False, True):

@@ -258,19 +258,20 @@ class Batch:
         parts = []
         for a in range(0, n, group):
             b = min(n, a + group)
+            lo, hi = start + a, start + b
             left = upto[a:b] - done[a:b]
+            most = int(left.max())
             cols = []
-            for c in range(0, int(left.max()), width):
-                w = min(width, int(left.max()) - c)
+            for c in range(0, most, width):
+                w = min(width, most - c)
                 offsets = done[a:b] + c
                 lengths = self.to_device(np.clip(left - c, 0, w)) if top_ids else None
-                rows = (start + a, start + b)
                 if offsets.any():
                     at = np.minimum(offsets[:, None] + np.arange(w), self.max_len - 1)
-                    cols.append(runner.prefill(self.seq[rows[0]:rows[1]].gather(1, self.to_device(at)), *rows,
-                                               top_ids, lengths, offsets=offsets))
+                    cols.append(runner.prefill(self.seq[lo:hi].gather(1, self.to_device(at)), lo, hi, top_ids,
+                                               lengths, offsets=offsets))
                 else:  # fresh rows from position 0
-                    cols.append(runner.prefill(self.seq[rows[0]:rows[1], :w], *rows, top_ids, lengths))
+                    cols.append(runner.prefill(self.seq[lo:hi, :w], lo, hi, top_ids, lengths))
             if top_ids:
                 ids = torch.cat(cols, dim=1)
                 parts.append(torch.nn.functional.pad(ids, (0, 0, 0, t - ids.shape[1])))

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 
 _COMPILED: dict[str, Callable] = {}
+_SIDE: dict[int, torch.cuda.Stream] = {}  # side_stream()'s, by device index
 
 # test hook (workers/faults.py sets it): called with a step's key the first time a fast step of that key runs
 # (specdec/runner.py); returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
@@ -48,6 +49,17 @@ def compiled_layer() -> Callable:
         pre, post = (torch.compile(f, dynamic=True, fullgraph=True) for f in (llama._attention_in, llama._layer_out))
         _COMPILED["layer"] = partial(llama.layer_forward, pre=pre, post=post)
     return _COMPILED["layer"]
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture in the process warms up and records on, per device. torch keeps a cuBLAS
+    workspace (tens of MiB) for each stream that runs a matmul, for good: a fresh stream per capture (torch's pool
+    hands out 32 in turn) would leave up to 32 of them allocated, outside the memory plan."""
+    key = torch.device(device).index or 0
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device)
+    return _SIDE[key]
+
 
 
 class StepGraphs:
@@ -82,7 +94,7 @@ class StepGraphs:
             buf[: x.shape[0]].copy_(x)
         if not self.capture:
             return None, static, None
-        side = torch.cuda.Stream(self.device)
+        side = side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
@@ -90,7 +102,7 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 out = fn(*static)
         except Exception:
             # a capture that failed midway can leave its pool marked as recording, and every later capture

@@ -14,7 +14,8 @@ allocation replaces them):
   first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), the draft's
   catch-up of whole rows (rows that joined while the policy did not draft), and a round: one step, and the
   float32 work on the draft's and the target's distributions;
-- `slack` for what is neither (cuBLAS workspaces, the allocator's rounding).
+- `slack` for what is neither: the allocator's rounding, and the cuBLAS workspaces torch keeps for each stream
+  that runs a matmul (`STREAM_WORKSPACE` each; two streams: the default one, and the one captures run on).
 A batch that does not fit runs with fewer rows; a config whose one row of a one-token prompt does not fit is
 refused at start (`OutOfMemoryPlan`, naming the figures and the keys to change).
 """
@@ -29,6 +30,7 @@ from .cache import model_kv_shape
 from .costmodel import pow2_at_least
 
 GiB = 1 << 30
+STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)
 TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/runner.py)
 ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order
 # counts two), verification, the draft's distributions

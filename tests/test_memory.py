@@ -331,8 +331,8 @@ def test_rows_past_the_position_table_are_refused_before_they_run(short_context,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_the_plan_covers_the_allocators_peak(monkeypatch):
     """On a GPU, what the caching allocator hands out (real CUDA graphs and their pool, SDPA's additive mask, a
-    prefill of every row) stays within the plan's figure, and not 2.5x under it: a run, every planned key, the run
-    again, on a bf16 model big enough for its activations to count. The layer runs uncompiled (compiling takes
+    prefill of every row) stays within the plan's figure, and not 2.5x under it: a run, every planned key (dozens
+    of captures), the run again, on a bf16 model big enough for its activations to count. The layer runs uncompiled (compiling takes
     minutes); the plan's real device figures size the batch."""
     monkeypatch.setattr(runner_mod.ModelRunner, "compile_layers", False)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -358,4 +358,8 @@ def test_on_a_gpu_the_plan_covers_the_allocators_peak(monkeypatch):
     torch.cuda.synchronize()
     used = torch.cuda.max_memory_allocated() - base
     assert eng.step_path.startswith("graphs") and captured(eng) == keys and again == first
-    assert used <= need.total <= 2.5 * used, (used, need)
+    # besides the plan's figure: the two streams' cuBLAS workspaces (within its slack) and the prefix store
+    # (within what the plan leaves)
+    beside = 2 * memory.STREAM_WORKSPACE + eng.prefix.nbytes
+    assert 2 * memory.STREAM_WORKSPACE <= eng.memory_plan().slack
+    assert used <= need.total + beside and need.total <= 2.5 * used, (used, need, beside)

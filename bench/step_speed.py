@@ -172,7 +172,7 @@ def main():
             break
         model = real_target(device, args.dtype) if shape == "smollm2" and args.target else random_model(shape, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        roof = bw / 2 / weight_bytes  # steps per second reading every weight once
+        roof = bw / weight_bytes  # steps per second reading every weight once (bw counts bytes read + written)
         g = torch.Generator().manual_seed(1)
         batches = [int(b) for b in args.batches.split(",")]
         prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=g).tolist()

@@ -96,13 +96,13 @@ stage() {
       gpu_tests ;;
     second)
       wheels; keep
-      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-90}" ;;
+      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-75}" ;;
     third)
       wheels; keep; join_models
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-100}" python3 bench/policies.py --device "$DEVICE" \
-        --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 1,32 --policies default,fixed \
-        --ks 2,4 --max-draft 8 --repeats 1}
-      step round_profile "${KIT_PROFILE_S:-30}" python3 bench/round_profile.py --device "$DEVICE" \
+        --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 32,1 --policies default,fixed \
+        --ks 2 --max-draft 8 --repeats 1}
+      step round_profile "${KIT_PROFILE_S:-40}" python3 bench/round_profile.py --device "$DEVICE" \
         --draft "$MODELS/smollm2-draft-4l" ${KIT_PROFILE_ARGS:---batch 32} --out "$OUT/round_profile.txt" ;;
   esac
   echo "# stage $STAGE: ${FAILED:-every step exited 0}"

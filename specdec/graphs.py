@@ -61,7 +61,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[key]
 
 
-
 class StepGraphs:
     """Captured steps keyed by the caller's key (which must fix every shape the step sees)."""
 

@@ -14,8 +14,7 @@ from specdec import llama
 from specdec.cache import RaggedKVCache, forward_hidden
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec import runner as runner_mod
-from specdec.runner import ModelRunner, mismatch
+from specdec.runner import ModelRunner
 
 def ragged_inputs(seed=0, n=3):
     """A prefill of 20 tokens per row, then a 3-token step at ragged lengths 20, 15, 9."""

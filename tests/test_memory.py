@@ -332,8 +332,8 @@ def test_rows_past_the_position_table_are_refused_before_they_run(short_context,
 def test_on_a_gpu_the_plan_covers_the_allocators_peak(monkeypatch):
     """On a GPU, what the caching allocator hands out (real CUDA graphs and their pool, SDPA's additive mask, a
     prefill of every row) stays within the plan's figure, and not 2.5x under it: a run, every planned key (dozens
-    of captures), the run again, on a bf16 model big enough for its activations to count. The layer runs uncompiled (compiling takes
-    minutes); the plan's real device figures size the batch."""
+    of captures), the run again, on a bf16 model big enough for its activations to count. The layer runs
+    uncompiled (compiling takes minutes); the plan's real device figures size the batch."""
     monkeypatch.setattr(runner_mod.ModelRunner, "compile_layers", False)
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)

@@ -213,42 +213,49 @@ class Batch:
 
     def prefill_target(self, start: int, end: int, top_ids: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
         """The target's prefill of rows [start, end): with `top_ids` > 0, its most likely ids at every cached
-        position [rows, t, top_ids] on the host (read back once per admission, not per round; computed at every
-        position, no stored prefix taken); and each row's prompt tokens taken from the prefix store [rows]."""
+        position [rows, t, top_ids] on the host (read back once per admission, not per round; a stored prefix
+        gives its own); and each row's prompt tokens taken from the prefix store [rows]."""
         reused, ids = self._prefill(self.target, start, end, "target", top_ids)
         self.cached[start:end] = self.lens[start:end] - 1
-        if top_ids and ids is None:
-            ids = torch.zeros((end - start, 0, top_ids), dtype=torch.int64)
-        return (None if ids is None else ids.cpu().numpy()), reused
+        return ids, reused
 
     def _prefill(self, runner, start: int, end: int, model: str, top_ids: int = 0,
-                 done: np.ndarray | None = None) -> tuple[np.ndarray, torch.Tensor | None]:
+                 done: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Prefill rows [start, end) after the `done` slots they hold or the longer run of blocks the prefix store
         of `model` gives them, then store their prompts' blocks; returns the tokens each took from the store, and
-        the top ids (with `top_ids`)."""
+        with `top_ids` (and no `done`) the model's most likely ids at every cached position [rows, t, top_ids] on
+        the host, the stored blocks' and the computed ones."""
         cached = self.lens[start:end] - 1
         have = np.zeros(end - start, dtype=np.int64) if done is None else np.array(done, dtype=np.int64)
-        store = None if top_ids or self.prefixes is None else self.prefixes[model]
+        store = None if self.prefixes is None else self.prefixes[model]
         reused = np.zeros(end - start, dtype=np.int64)
+        ids = np.zeros((end - start, int(cached.max(initial=0)), top_ids), dtype=np.int64) if top_ids else None
         if store is not None:
             for i, slot in enumerate(range(start, end)):
-                keys = store.match(self.rows[slot].tokens, int(cached[i]))
+                keys = store.match(self.rows[slot].tokens, int(cached[i]), top_ids)
                 if len(keys) * store.block > have[i]:
                     reused[i] = store.load(runner.cache.k, runner.cache.v, slot, keys)
-        ids = self.forwards(runner, start, np.maximum(have, reused), cached, top_ids)
+                    if top_ids:
+                        ids[i, : reused[i]] = store.top_ids(keys, top_ids)
+        done = np.maximum(have, reused)
+        computed = self.forwards(runner, start, done, cached, top_ids)
+        if computed is not None:  # row i's computed ids begin at its position done[i]
+            computed = computed.cpu().numpy()
+            for i in range(end - start):
+                ids[i, done[i]: cached[i]] = computed[i, : cached[i] - done[i]]
         if store is not None:  # the prompts' blocks (a row that catches up holds its output too)
             for i, slot in enumerate(range(start, end)):
                 row = self.rows[slot]
                 store.store(runner.cache.k, runner.cache.v, slot, row.tokens,
-                            min(int(cached[i]), row.result.prompt_tokens - 1))
+                            min(int(cached[i]), row.result.prompt_tokens - 1), None if ids is None else ids[i])
         return reused, ids
 
     def forwards(self, runner, start: int, done: np.ndarray, upto: np.ndarray,
                  top_ids: int = 0) -> torch.Tensor | None:
         """Cache positions done[i]..upto[i]-1 of rows start + i, in forwards of at most `prefill_chunk` tokens
         (rows x columns, the columns of a forward being the same for its rows: a whole prompt's tokens when the
-        chunk allows); returns the top ids at those positions [rows, max(upto - done), top_ids] (with `top_ids`,
-        which needs done == 0)."""
+        chunk allows); returns the top ids at those positions [rows, max(upto - done), top_ids] (with `top_ids`;
+        row i's from position done[i])."""
         n, t = len(done), int((upto - done).max(initial=0))
         if t <= 0:
             return None

@@ -33,7 +33,7 @@ from .cache import RaggedKVCache, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, VerifyWidths
-from .prefix import Prefixes
+from .prefix import Prefixes, admission_order
 from .grammar import Constraints, GrammarError, Grammars
 from .models import ModelPair
 from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
@@ -42,6 +42,10 @@ from .runner import ModelRunner
 from .stops import StopStrings
 from .tp import TPRunner
 from .verify import CoupledRule
+
+
+# rows whose first this many prefix blocks are the same are admitted together (`SpecEngine.admission_order`)
+CLUSTER_BLOCKS = 8
 
 
 def _graph_bytes(runner) -> int:
@@ -325,13 +329,12 @@ class SpecEngine:
                     todo.append(len(requests) - 1)
         if todo:
             policy = self.measure_costs()
-            # longest first: similar lengths run together and the long tail does not trail at the end; a prompt's
-            # samples stay together, so that they join together and share its prefill
-            todo.sort(key=lambda i: (-len(requests[i].prompt), requests[i].group))
+            todo = self.admission_order(requests, todo)
             max_len = max(self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo)
             want = min(self.batch_size, len(todo))
             plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
-            self.need = need = self.sizes(want, max_len, len(requests[todo[0]].prompt), plan)
+            longest = max(len(requests[i].prompt) for i in todo)
+            self.need = need = self.sizes(want, max_len, longest, plan)
             if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
                 have = self._runners.get("target")
                 if have is None or (have.cache.rows, have.cache.max_len) != (need.rows, need.max_len):
@@ -345,6 +348,16 @@ class SpecEngine:
                 batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
+
+    def admission_order(self, requests: list[Request], todo: list[int]) -> list[int]:
+        """The order rows are admitted in. Longest first: similar lengths run together and the long tail does not
+        trail at the end; with prefix caching, rows that share their first `CLUSTER_BLOCKS` prefix blocks run
+        together first (specdec/prefix.py). A prompt's samples stay together, so that they join together and share
+        its prefill."""
+        if self.prefix is None:
+            return sorted(todo, key=lambda i: (-len(requests[i].prompt), requests[i].group))
+        span = CLUSTER_BLOCKS * self.prefix.block
+        return [todo[j] for j in admission_order([requests[i].prompt for i in todo], span)]
 
     def _check_format(self, sp: SamplingParams) -> str | None:
         """Why a row's output format cannot run ("bad_response_format: ..."), or None."""

@@ -4,7 +4,9 @@ A model's prefix store keeps blocks of `block` prompt tokens. A block is keyed b
 and its own tokens), so a key stands for the whole prefix up to the block's end; the tokens are kept too and
 compared on a match, so a hash collision costs a miss, never a wrong token. A row's match is the longest run of
 stored blocks from its first token, within the tokens its prefill would cache; the row's cache rows take those
-slots by copy and only the rest of its prompt is computed (`ModelRunner.prefill(offsets=)`). The store is kept by
+slots by copy and only the rest of its prompt is computed (`ModelRunner.prefill(offsets=)`). A target's block also
+keeps the model's most likely next ids at its positions when its prefill computed them (alignment sampling,
+specdec/proposers/prompt_lookup.py); a row that needs them matches only blocks that have them. The store is kept by
 the engine across `generate()` calls, bounded in bytes and evicted least recently used, deepest blocks first (a
 prefix's first blocks serve every row that shares any of it).
 
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,10 +30,11 @@ class Block:
     parent: int | None  # the previous block's key (None: the prompt's first block)
     k: torch.Tensor  # [layers, kv_heads, block, head_dim]
     v: torch.Tensor
+    top: np.ndarray | None = None  # [block, ids] the model's most likely next ids at its positions
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + (0 if self.top is None else self.top.nbytes)
 
 
 class PrefixStore:
@@ -57,13 +61,16 @@ class PrefixStore:
             parent = key
         return out
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Keys of the stored blocks that begin `tokens`, as many as fit in its first `limit` tokens. They become
-        the most recently used, the first blocks last (evicted after the blocks that follow them)."""
+    def match(self, tokens: Sequence[int], limit: int, top_ids: int = 0) -> list[int]:
+        """Keys of the stored blocks that begin `tokens`, as many as fit in its first `limit` tokens (with `top_ids`:
+        blocks that keep at least that many most likely ids). They become the most recently used, the first blocks
+        last (evicted after the blocks that follow them)."""
         keys: list[int] = []
         for key, chunk, parent in self.chain(tokens, limit):
             found = self.blocks.get(key)
             if found is None or found.tokens != chunk or found.parent != parent:
+                break
+            if top_ids and (found.top is None or found.top.shape[1] < top_ids):
                 break
             keys.append(key)
         for key in reversed(keys):
@@ -97,11 +104,16 @@ class PrefixStore:
             vc[row, :, :n] = v[layer]
         return n
 
+    def top_ids(self, keys: list[int], top_ids: int) -> np.ndarray:
+        """The first `top_ids` most likely ids the blocks `keys` keep [len(keys) * block, top_ids]."""
+        return np.concatenate([self.blocks[key].top[:, :top_ids] for key in keys])
+
     def store(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], row: int, tokens: Sequence[int],
-              cached: int) -> int:
+              cached: int, top: np.ndarray | None = None) -> int:
         """Keep the full blocks among the first `cached` tokens of cache row `row` (holding `tokens`) that are not
-        stored yet, evicting the least recently used beyond the budget; returns the blocks added. A block larger
-        than the whole budget is not kept."""
+        stored yet, evicting the least recently used beyond the budget; returns the blocks added. `top` [>= cached,
+        ids]: the model's most likely ids at those positions, kept with the blocks (and given to stored blocks
+        that keep fewer). A block larger than the whole budget is not kept."""
         added, keys = 0, []
         chain = self.chain(tokens, cached)
         new = [i for i, (key, _, _) in enumerate(chain) if key not in self.blocks]
@@ -113,14 +125,18 @@ class PrefixStore:
             have = self.blocks.get(key)
             if have is not None and (have.tokens != chunk or have.parent != parent):
                 break  # a collision: the chain cannot go on through this key
+            ids = None if top is None else np.array(top[i * self.block:(i + 1) * self.block])
             if have is None:
                 j = i - new[0]
-                block = Block(chunk, parent, k[j].clone(), v[j].clone())
+                block = Block(chunk, parent, k[j].clone(), v[j].clone(), ids)
                 if block.nbytes > self.budget:
                     break
                 self.blocks[key] = block
                 self.nbytes += block.nbytes
                 added += 1
+            elif ids is not None and (have.top is None or have.top.shape[1] < ids.shape[1]):
+                self.nbytes += ids.nbytes - (0 if have.top is None else have.top.nbytes)
+                have.top = ids
             keys.append(key)
         for key in reversed(keys):
             self.blocks.move_to_end(key)
@@ -137,12 +153,26 @@ class PrefixStore:
         self.nbytes = 0
 
 
+def admission_order(prompts: Sequence[Sequence[int]], span: int) -> list[int]:
+    """Indices of `prompts` in the order their rows are admitted: rows whose first `span` tokens are the same (a
+    shared instruction, a template's fixed text, one prompt's samples) run together, so that their prefix is computed
+    once and is still stored when the next of them comes; inside such a cluster in token order (rows that share more
+    sit side by side), clusters by their longest prompt first (the long tail does not trail at the end). Sorting is
+    stable: equal prompts keep their order."""
+    longest: dict[tuple[int, ...], int] = {}
+    heads = [tuple(p[:span]) for p in prompts]
+    for head, p in zip(heads, prompts):
+        longest[head] = max(longest.get(head, 0), len(p))
+    return sorted(range(len(prompts)), key=lambda i: (-longest[heads[i]], heads[i], prompts[i]))
+
+
 class Prefixes:
     """An engine's prefix stores, one per model, within one byte budget shared by the bytes each model's keys and
     values take per token (so every store holds about as many tokens)."""
 
     def __init__(self, budget: int, per_token: dict[str, int], block: int = 16):
         self.budget = budget  # the most bytes (`limit` may lower it for a while)
+        self.block = block
         self.shares = {name: size / (sum(per_token.values()) or 1) for name, size in per_token.items()}
         self.stores = {name: PrefixStore(int(budget * share), block) for name, share in self.shares.items()}
 

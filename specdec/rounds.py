@@ -139,7 +139,7 @@ class Rounds:
         view = self.view(end)
         drafting = self.policy.drafts_soon(view)
         wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
-        split = mid if wide else mid - sum(later)  # top ids are computed at every position: no stored prefix
+        split = mid - sum(later)
         for lo, hi in ((start, split), (split, mid)):
             if hi > lo:
                 top_ids, reused = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0)

@@ -321,3 +321,59 @@ def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monke
         out[caching] = (logits.clone(), sum(computed))
     assert torch.allclose(out[False][0], out[True][0], atol=1e-5)
     assert out[True][1] <= out[False][1] - 4 * 48  # the shared 48 tokens of every row came from the store
+
+
+def test_admission_runs_rows_of_one_prefix_together_longest_cluster_first():
+    from specdec.prefix import admission_order
+
+    a, b = [1] * 8, [2] * 8
+    prompts = [a + [5], b + [9, 9, 9], a + [3, 3], [7, 7], b + [4], a + [5]]
+    # clusters by their first 8 tokens: b's (longest row 11) first, then a's (10), then the short one; inside a
+    # cluster in token order, equal prompts in their own order
+    assert admission_order(prompts, 8) == [4, 1, 2, 0, 5, 3]
+
+
+def test_rows_of_two_instructions_each_compute_theirs_once_when_the_store_holds_one(target):
+    """Rows of two 144-token instructions, interleaved by length (longest first would alternate them), a store that
+    holds one instruction's blocks: the rows of one instruction run together, so each instruction is computed once
+    and every other row takes its nine blocks; greedy tokens equal transformers'."""
+    from engine_models import engine
+    from specdec.cache import model_kv_bytes
+
+    g = torch.Generator().manual_seed(3)
+    heads = [torch.randint(0, 96, (144,), generator=g).tolist() for _ in range(2)]
+    prompts = [heads[i % 2] + torch.randint(0, 96, (10 - i,), generator=g).tolist() for i in range(8)]
+    eng = engine(target, None, "none", bs=2, max_new=3)
+    eng.prefix.limit(12 * 16 * model_kv_bytes(target))
+    res = eng.generate(prompts)
+    assert sum(r.cached_prompt_tokens for r in res) == 6 * 144
+    assert [r.token_ids for r in res] == transformers_greedy(target, prompts, 3)
+
+
+def test_alignment_top_ids_come_with_a_stored_prefix(target):
+    """AASD's top ids at every prompt position (alignment sampling): rows that take a stored prefix get the ids
+    kept with its blocks and compute the rest, the same ids as a prefill without a store; a block stored by a
+    prefill that did not compute ids is not matched by one that needs them, and gets them when such a row stores."""
+    from engine_models import pair
+    from specdec.batch import Row
+    from specdec.config import SampleResult, SamplingParams, SpecConfig
+    from specdec.engine import SpecEngine
+    from specdec.policies.simple import FixedLength
+
+    prompts = shared_prompts(4, shared=40)
+    off, on = (SpecEngine(pair(target, None), SamplingParams(max_new_tokens=4), SpecConfig(
+        method="prompt_lookup", prompt_lookup={"alignment_sampling": 2}), batch_size=4, prefix_caching=caching)
+        for caching in (False, True))
+    out = []
+    for eng, want in ((off, 3), (on, 0), (on, 3), (on, 3)):
+        b = eng.new_batch(4, 128, FixedLength(eng.spec))
+        b.prefixes = eng.prefix
+        b.write_rows(0, [Row(i, SampleResult(key=i, prompt_tokens=len(p)), list(p), None, 0.0, SamplingParams())
+                         for i, p in enumerate(prompts)])
+        out.append(b.prefill_target(0, 4, want))
+    ids, reused = out[0]
+    assert out[1][0] is None and out[1][1].tolist() == [0] * 4  # a store without ids: blocks of 32 tokens
+    assert out[2][1].tolist() == [0] * 4  # ... that rows needing ids do not take, and compute (then store) them
+    assert out[3][1].tolist() == [32] * 4  # now every row takes two blocks with their ids
+    for got, _ in out[2:]:
+        assert got.shape == ids.shape and (got == ids).all()

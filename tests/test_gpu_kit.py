@@ -80,7 +80,7 @@ def test_the_calls_fit_the_lease():
     default = {k: int(v) for k, v in re.findall(r"\$\{(KIT_\w+_S):-(\d+)\}", run_sh) if k != "KIT_STEP_S"}
     step = [int(v) for v in re.findall(r"\$\{KIT_STEP_S:-(\d+)\}", run_sh)]
     setup = 15  # wheels, the environment's line, the parts
-    stage = {"first": setup + step[0] + default["KIT_TEST_S"], "second": setup + step[1],
+    stage = {"first": setup + step[0] + default["KIT_TEST_S"], "second": setup + step[1] + default["KIT_PAGED_S"],
              "third": setup + default["KIT_POLICY_S"] + default["KIT_PROFILE_S"]}
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
@@ -124,6 +124,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     for name in ("test_fastpath", "test_engine", "test_sampling", "test_noise", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
+    paged = (out["second"] / "paged_attention.txt").read_text()  # dense, gather and flex each ran and agreed
+    assert re.search(r"^tiny\s+2\s+200\s+1\s+\d+\s+\d+\.\d+(\s+\d+\.\d+\s+\d+\.\d+x){2}$", paged, re.M), paged
     table = (out["third"] / "policies.txt").read_text()
     rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)\s+\d+$", table, re.M)
     assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table

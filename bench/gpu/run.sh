@@ -4,7 +4,8 @@
 #   first   step speed of the Llama-8B shape (random weights): our fast path against transformers eager and
 #           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others
 #           with its own budget
-#   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path
+#   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path; then
+#           attention over a paged KV cache against the dense rows, the Llama-8B shape (bench/paged_attention.py)
 #   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
 #           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
@@ -13,7 +14,8 @@
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# KIT_PROFILE_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, KIT_PROFILE_S, and KIT_VIEW (a folder put first on PYTHONPATH).
+# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S, KIT_PROFILE_S,
+# KIT_PAGED_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py tests/test_memory.py"
@@ -96,7 +98,10 @@ stage() {
       gpu_tests ;;
     second)
       wheels; keep
-      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-75}" ;;
+      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-45}"
+      step paged_attention "${KIT_PAGED_S:-30}" python3 bench/paged_attention.py --device "$DEVICE" \
+        ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --deadline 15} \
+        --out "$OUT/paged_attention.txt" ;;
     third)
       wheels; keep; join_models
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-100}" python3 bench/policies.py --device "$DEVICE" \

@@ -63,6 +63,17 @@ def _tops(dist) -> set[str]:
         (".dist-info", ".egg-info", ".data", ".pth")) and f.parts[0] != ".."}
 
 
+def _holders(where: str | None) -> list[str]:
+    """The distributions of the site-packages folder a module lies inside (a package's vendored copies, such as
+    setuptools/_vendor/jaraco, come with the package)."""
+    real = os.path.realpath(where) if where else ""
+    for folder in _SITE:
+        rel = real[len(folder):] if real.startswith(folder) else ""
+        if os.sep in rel:
+            return _owner_map().get(rel.split(os.sep, 1)[0], [])
+    return []
+
+
 def _strict(name: str) -> str | None:
     """Why the image would not have top-level module `name` for the kit's own code, or None where it would."""
     if name in _strict_cache:
@@ -75,7 +86,7 @@ def _strict(name: str) -> str | None:
         where = spec and (spec.origin if spec.origin not in (None, "namespace") else
                           next(iter(spec.submodule_search_locations or ()), None))
         if spec is None or (where and os.path.realpath(where).startswith(_SITE)):
-            owners = _owner_map().get(name, [])
+            owners = _owner_map().get(name, []) or _holders(where)
             if (spec is not None or owners) and not any(_norm(o) in ALLOWED for o in owners):
                 why = (f"{name} (distribution {', '.join(owners) or 'unknown'}) is neither on the device image "
                        f"(bench/gpu/image.txt) nor carried (bench/gpu/wheels.txt)")

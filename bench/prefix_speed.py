@@ -1,7 +1,7 @@
 """Prefix caching on a synthesis-shaped job: one long shared instruction, a short input per row.
 
-    python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2] [--methods none,draft_model]
-        [--prompts synthesis|chat]
+    python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2]
+        [--methods none,draft_model,aasd] [--prompts synthesis|chat]
 
 Every row is the chat template over a ~1,000-token system prompt (a data-synthesis brief with worked examples,
 written for this benchmark) and a one-line user input; `--prompts chat`: held-out chat prompts instead
@@ -115,6 +115,9 @@ def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
             "reused": sum(r.cached_prompt_tokens for r in res), "tokens": [r.token_ids for r in res]}
 
 
+ALIASES = {"aasd": {"method": "prompt_lookup", "prompt_lookup": {"alignment_sampling": 2}}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=48)
@@ -122,7 +125,8 @@ def main():
     ap.add_argument("--prompts", choices=("synthesis", "chat"), default="synthesis")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--methods", default="none,draft_model")
+    ap.add_argument("--methods", default="none,draft_model", help="methods, or aasd: prompt_lookup with "
+                    "alignment_sampling 2 (its prefills keep the target's top ids with the stored blocks)")
     add_model_args(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -137,7 +141,8 @@ def main():
     print(f"{'method':12s} {'batch':>5s} {'caching':>7s} {'tok/s':>8s} {'on/off':>18s} {'prompt tok':>10s} "
           f"{'computed':>9s} {'reused':>7s} {'same':>5s}")
     for method, batch in [(m, int(b)) for m in args.methods.split(",") for b in args.batches.split(",")]:
-        engines = {on: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method=method),
+        spec = SpecConfig(**ALIASES.get(method, {"method": method}))
+        engines = {on: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec,
                                   batch_size=batch, prefix_caching=on) for on in (False, True)}
         for eng in engines.values():
             eng.measure_costs()

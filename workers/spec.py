@@ -47,7 +47,8 @@ class ResourcesSpec(Config):
         json_schema_extra=NEUTRAL)
     prefix_caching: bool = Field(True, description="reuse the keys and values of prompt prefixes a worker has "
                                  "computed (a shared system prompt, few-shot examples, a prompt's samples, a retried "
-                                 "shard's rows) instead of computing them again: the same tokens either way",
+                                 "shard's rows) instead of computing them again, admitting rows that share their "
+                                 "first 128 tokens together: the same tokens either way",
                                  json_schema_extra=NEUTRAL)
     prefix_cache_gib: float = Field(1.0, ge=0, description="most memory the kept prefixes take on a worker's device "
                                     "(least recently used evicted first); on a GPU it is set aside within "

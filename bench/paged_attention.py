@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-SHAPES = {  # (query heads, kv heads, head_dim, dtype on a GPU)
+SHAPES = {  # (query heads, kv heads, head_dim)
     "smollm2": (9, 3, 64),
     "llama8b": (32, 8, 128),
     "tiny": (4, 2, 16),
@@ -118,12 +118,10 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device):
         return ki <= lens_t[b] - t + qi
 
     logical = create_block_mask(causal, n, None, t, max_len, device=device, BLOCK_SIZE=(t, page) if t < 128 else page)
-    physical = paged.convert_logical_block_mask(logical)
-    mask_mod = paged.get_mask_mod(causal)
+    physical = paged.convert_logical_block_mask(logical)  # its mask_mod reads the page tables too
     torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
     run = torch.compile(flex_attention, dynamic=False)
     k, v = (p[None] for p in pool)  # [1, kv_heads, slots, head_dim]: one shared sequence of pages
-    physical.mask_mod = mask_mod
     return lambda: run(q, k, v, block_mask=physical, enable_gqa=True)
 
 

@@ -68,15 +68,31 @@ class Slots:
         """A KV cache's rows (`move_row(src, dst, slots)`): a row moves with its first length[row] slots."""
         self._caches.append((cache, length))
 
-    def admit(self, start: int, end: int) -> None:
-        """Rows [start, end) are new: every entry starts at its fill value."""
+    def admit(self, start: int, end: int, slots: list[int] | None = None) -> None:
+        """Rows [start, end) are new: every entry starts at its fill value, and each row reserves `slots[i]` slots
+        of every cache (None: its whole row)."""
         for values, fill in self._values.values():
             values[start:end] = fill
         for objects, _ in self._objects.values():
             objects[start:end] = [None] * (end - start)
+        for cache, _ in self._caches:
+            for i, row in enumerate(range(start, end)):
+                cache.reserve(row, cache.max_len if slots is None else slots[i])
+
+    def room(self, slots: list[int]) -> int:
+        """How many rows of `slots` slots each (in this order) every cache has room for now."""
+        fits = len(slots)
+        for cache, _ in self._caches:
+            free = cache.free_slots()
+            if free is not None:
+                taken = np.cumsum([cache.reservation(s) for s in slots])
+                fits = min(fits, int(np.searchsorted(taken, free, side="right")))
+        return fits
 
     def move(self, src: int, dst: int) -> None:
-        """Row src now lives at dst."""
+        """Row src now lives at dst (what row dst held is released)."""
+        for cache, _ in self._caches:
+            cache.release(dst)
         self._carry(src, dst, lambda a, b: a)
 
     def copy(self, src: int, dst: int) -> None:
@@ -87,7 +103,7 @@ class Slots:
         if src == dst:
             return
         for cache, length in self._caches:
-            cache.move_row(src, dst, int(length[src]))
+            (cache.copy_row if copy is None else cache.move_row)(src, dst, int(length[src]))
         for values, _ in self._values.values():
             values[dst] = values[src]
         for objects, copy_object in self._objects.values():
@@ -172,6 +188,7 @@ class Batch:
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
     prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/prefix.py), when prefix caching is on
     prefill_chunk: int | None = None  # most prompt tokens (rows x tokens) one prefill forward takes; None: all
+    slack: int | None = None  # slots a row may hold past its prompt and max_new_tokens (the draft's); None: max_len
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int):
         self.target = target
@@ -194,7 +211,7 @@ class Batch:
     def write_rows(self, start: int, rows: list[Row]) -> None:
         """Rows [start, start + len(rows)) are new, active, and hold these rows' tokens (one copy to the device)."""
         end, t = start + len(rows), max(len(r.tokens) for r in rows)
-        self.slots.admit(start, end)
+        self.slots.admit(start, end, [self.row_slots(len(r.tokens), r.sp.max_new_tokens) for r in rows])
         tokens = np.zeros((len(rows), t), dtype=np.int64)
         for i, (slot, row) in enumerate(zip(range(start, end), rows)):
             tokens[i, : len(row.tokens)] = row.tokens
@@ -203,6 +220,16 @@ class Batch:
         self.seq[start:end, :t] = self.to_device(tokens)
         self.lens[start:end] = [len(r.tokens) for r in rows]
         self.n = end
+
+    def row_slots(self, prompt: int, max_new: int) -> int:
+        """Cache slots a row of a `prompt`-token prompt and `max_new` new tokens may come to hold."""
+        return self.max_len if self.slack is None else min(self.max_len, prompt + max_new + self.slack)
+
+    def room(self, rows: list[tuple[int, int]]) -> int:
+        """How many of these rows ((prompt tokens, max_new_tokens), in order) the caches have room for now, within
+        the batch's free rows."""
+        rows = rows[: self.capacity - self.n]
+        return self.slots.room([self.row_slots(p, m) for p, m in rows])
 
     def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft",
                 done: np.ndarray | None = None) -> np.ndarray:
@@ -234,7 +261,7 @@ class Batch:
             for i, slot in enumerate(range(start, end)):
                 keys = store.match(self.rows[slot].tokens, int(cached[i]), top_ids)
                 if len(keys) * store.block > have[i]:
-                    reused[i] = store.load(runner.cache.k, runner.cache.v, slot, keys)
+                    reused[i] = store.load(runner.cache, slot, keys)
                     if top_ids:
                         ids[i, : reused[i]] = store.top_ids(keys, top_ids)
         done = np.maximum(have, reused)
@@ -246,7 +273,7 @@ class Batch:
         if store is not None:  # the prompts' blocks (a row that catches up holds its output too)
             for i, slot in enumerate(range(start, end)):
                 row = self.rows[slot]
-                store.store(runner.cache.k, runner.cache.v, slot, row.tokens,
+                store.store(runner.cache, slot, row.tokens,
                             min(int(cached[i]), row.result.prompt_tokens - 1), None if ids is None else ids[i])
         return reused, ids
 

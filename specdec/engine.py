@@ -29,7 +29,7 @@ import torch
 
 from . import llama, memory, profiler
 from .batch import Batch
-from .cache import RaggedKVCache, model_kv_bytes
+from .cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, VerifyWidths
@@ -66,16 +66,24 @@ class SpecEngine:
     costs to plan from instead of measuring them (specdec/costmodel.py); `clock`: what rounds are timed by (a test
     may drive a fake one). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
     for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
-    `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's)."""
+    `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
+    `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
+    to hold (specdec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
-                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048):
+                 prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
+                 kv_cache: str = "dense"):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1 (or None: no chunks)")
+        if kv_cache not in ("dense", "paged"):
+            raise ValueError(f"kv_cache must be dense or paged, not {kv_cache!r}")
+        if kv_cache == "paged" and pair.tp is not None:
+            raise ValueError("resources.kv_cache: paged does not run with a tensor-parallel target yet (use dense)")
+        self.kv_cache = kv_cache
         self.prefill_chunk = prefill_chunk
         self.method = METHODS[spec.method]
         if self.method.draft_model and pair.draft is None:
@@ -176,7 +184,8 @@ class SpecEngine:
         freed += self.prefix.nbytes if self.prefix is not None else 0  # kept prefixes yield to rows
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
-                                 additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk)
+                                 additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
+                                 paged=self.kv_cache == "paged")
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
@@ -198,24 +207,34 @@ class SpecEngine:
             if not plan.fits(need):
                 raise plan.refuse(need, f"one row of a 1-token prompt + max_new_tokens {self.sampling.max_new_tokens}")
 
-    def runner(self, name: str, rows: int, max_len: int) -> ModelRunner:
-        """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots. The caches
-        grow (all models' together, their graphs dropped) and never shrink: a job's worker ends up
-        with one size and reuses its captured steps from shard to shard."""
+    def runner(self, name: str, rows: int, max_len: int, blocks: int | None = None) -> ModelRunner:
+        """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots (paged: and `blocks`
+        blocks; None: every row whole). The caches grow (all models' together, their graphs dropped) and never
+        shrink: a job's worker ends up with one size and reuses its captured steps from shard to shard."""
         have = self._runners.get(name)
-        if have is None or have.cache.rows < rows or have.cache.max_len < max_len:
-            self._allocate(*self._grown(rows, max_len))
+        blocks = self.pool_blocks([self.alloc_len(max_len)] * rows) if blocks is None else blocks
+        if have is None or have.cache.rows < rows or have.cache.max_len < max_len or \
+                getattr(have.cache, "blocks", blocks) < blocks:
+            self._allocate(*self._grown(rows, max_len, blocks))
         return self._runners[name]
 
-    def _grown(self, rows: int, max_len: int) -> tuple[int, int]:
-        """(rows, slots) of caches holding `rows` rows of `max_len` slots that keep what the current ones hold."""
+    @staticmethod
+    def pool_blocks(slots: list[int]) -> int:
+        """Blocks of a paged cache that holds rows of these `slots` at once, and the scratch block."""
+        return 1 + sum(blocks_for(s) for s in slots)
+
+    def _grown(self, rows: int, max_len: int, blocks: int = 0) -> tuple[int, int, int]:
+        """(rows, slots, blocks) of caches holding `rows` rows of `max_len` slots (and paged, `blocks` blocks)
+        that keep what the current ones hold."""
         old = next(iter(self._runners.values()), None)
         if old is None:
-            return rows, self.alloc_len(max_len)
-        return max(rows, old.cache.rows), old.cache.max_len if max_len <= old.cache.max_len else self.alloc_len(max_len)
+            return rows, self.alloc_len(max_len), blocks
+        length = old.cache.max_len if max_len <= old.cache.max_len else self.alloc_len(max_len)
+        return max(rows, old.cache.rows), length, max(blocks, getattr(old.cache, "blocks", 0))
 
-    def _allocate(self, rows: int, max_len: int) -> None:
-        """Caches of exactly `rows` rows x `max_len` slots for every model (the old ones and their graphs go first)."""
+    def _allocate(self, rows: int, max_len: int, blocks: int = 0) -> None:
+        """Caches of exactly `rows` rows x `max_len` slots for every model, paged ones of `blocks` blocks (the old
+        ones and their graphs go first)."""
         if max_len > self.max_positions:
             raise ValueError(f"{max_len} cache slots exceed the models' {self.max_positions} positions")
         self._runners.clear()
@@ -225,19 +244,24 @@ class SpecEngine:
             if name == "target" and self.pair.tp is not None:  # a tensor-parallel target: every rank allocates
                 self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
                 continue
-            cache = RaggedKVCache(model, rows, max_len)
+            cache = PagedKVCache(model, rows, max_len, blocks) if self.kv_cache == "paged" else \
+                RaggedKVCache(model, rows, max_len)
             runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs)
             runner.max_graph_width = self.graph_width
             self._runners[name] = runner
 
-    def sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan | None) -> memory.Need | None:
-        """The caches (rows, slots) to hold and the rows a batch may have (`batch`: up to `want`) for rows of up to
-        `row_len` slots whose prompts have up to `prompt` tokens: the current caches, grown where too small, when
-        the plan fits them, else the largest fresh ones it fits (None without a plan: the current caches, grown).
-        Raises `OutOfMemoryPlan` when not one row fits."""
+    def sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan | None,
+              slots: list[int] | None = None) -> memory.Need | None:
+        """The caches (rows, slots; paged: the pool) to hold and the rows a batch may have (`batch`: up to `want`)
+        for rows of up to `row_len` slots whose prompts have up to `prompt` tokens (`slots`: each row's, for a
+        paged pool): the current caches, grown where too small, when the plan fits them, else the largest fresh
+        ones it fits (None without a plan: the current caches, grown). Raises `OutOfMemoryPlan` when not one row
+        fits."""
         if plan is None:
             return None
-        options = [lambda r: self._grown(r, row_len)]  # keep what the caches hold (their captured steps too)
+        if self.kv_cache == "paged":
+            return self._paged_sizes(want, row_len, prompt, plan, sorted(slots or [row_len], reverse=True))
+        options = [lambda r: self._grown(r, row_len)[:2]]  # keep what the caches hold (their captured steps too)
         if self._runners:
             options.append(lambda r: (r, self.alloc_len(row_len)))  # or replace them by smaller ones
         for size in options:
@@ -245,6 +269,21 @@ class SpecEngine:
             if rows:
                 return plan.need(*size(rows), rows, row_len, prompt)
         raise plan.refuse(plan.need(*options[-1](1), 1, row_len, prompt), f"one row of {row_len} slots")
+
+    def _paged_sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan,
+                     slots: list[int]) -> memory.Need:
+        """Paged caches: as many rows (up to `want`) as fit with a pool for the longest row alone, then the largest
+        pool that fits, up to what the `rows` longest rows reserve together: rows join while blocks are free."""
+        length = self.alloc_len(row_len)
+
+        def need(rows: int, blocks: int) -> memory.Need:
+            return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
+
+        least = self.pool_blocks(slots[:1])
+        rows = memory.largest(lambda r: plan.fits(need(r, least)), want)
+        if not rows:
+            raise plan.refuse(need(1, least), f"one row of {row_len} slots")
+        return need(rows, memory.largest(lambda b: plan.fits(need(rows, b)), self.pool_blocks(slots[:rows])))
 
     @property
     def step_path(self) -> str:
@@ -259,10 +298,12 @@ class SpecEngine:
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
 
-    def new_batch(self, rows: int, max_len: int, policy: LengthPolicy) -> Batch:
-        """An empty batch of `rows` slots of `max_len` tokens, with its proposer, and `policy`'s per-row state."""
-        batch = Batch(self.runner("target", rows, max_len), rows, max_len, self.vocab_size)
-        draft = self.runner("draft", rows, max_len) if self.method.draft_model else None
+    def new_batch(self, rows: int, max_len: int, policy: LengthPolicy, blocks: int | None = None) -> Batch:
+        """An empty batch of `rows` slots of `max_len` tokens (a paged cache: of `blocks` blocks; None: every row
+        whole), with its proposer, and `policy`'s per-row state."""
+        batch = Batch(self.runner("target", rows, max_len, blocks), rows, max_len, self.vocab_size)
+        batch.slack = self.spec.max_nodes + 2  # row_tokens(): what a row may come to hold past max_new_tokens
+        draft = self.runner("draft", rows, max_len, blocks) if self.method.draft_model else None
         batch.proposer = self.method.proposer(batch, self.spec, policy, self.context.rule, draft)
         batch.prefill_chunk = self.prefill_chunk
         policy.attach(batch.slots)
@@ -334,15 +375,20 @@ class SpecEngine:
             want = min(self.batch_size, len(todo))
             plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
             longest = max(len(requests[i].prompt) for i in todo)
-            self.need = need = self.sizes(want, max_len, longest, plan)
+            slots = sorted((self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo),
+                           reverse=True)
+            self.need = need = self.sizes(want, max_len, longest, plan, slots)
+            blocks = self.pool_blocks(slots[:want])  # a paged pool for the longest rows at once
             if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
+                blocks = need.pool // BLOCK if need.pool else blocks
                 have = self._runners.get("target")
-                if have is None or (have.cache.rows, have.cache.max_len) != (need.rows, need.max_len):
-                    self._allocate(need.rows, need.max_len)
+                if have is None or (have.cache.rows, have.cache.max_len, getattr(have.cache, "blocks", blocks)) != \
+                        (need.rows, need.max_len, blocks):
+                    self._allocate(need.rows, need.max_len, blocks)
                 want = need.batch
                 if self.prefix is not None:  # the prefixes keep what the batch leaves of the plan
                     self.prefix.limit(max(0, plan.budget - need.total))
-            batch = self.new_batch(want, max_len, policy)
+            batch = self.new_batch(want, max_len, policy, blocks)
             batch.prefixes = self.prefix
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .cache import KVCache, KVView
+
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
@@ -184,32 +186,25 @@ def _layer_out(x: torch.Tensor, layer: Layer, o: torch.Tensor, eps: float) -> to
     return x + (down if layer.reduce is None else layer.reduce(down))
 
 
-def layer_forward(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, positions: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                  heads: int, kv_heads: int, head_dim: int, eps: float,
+def layer_forward(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
                   pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
-    """One decoder layer over cache rows [0, n): x [n, t, d] -> [n, t, d]. Writes the rows' keys and values
-    at their positions in kc, vc ([rows, kv_heads, max_len, head_dim]) and attends over the first
-    kv_len = mask.shape[-1] slots of each row. `pre` (norm, q/k/v, RoPE) and `post` (o_proj, MLP) may be
-    compiled versions (specdec/graphs.py): the cache writes and the attention stay outside them, so no
-    compiled code sees the cache's or the mask's lengths."""
-    n = x.shape[0]
+    """Decoder layer `index` over a window of cache rows: x [n, t, d] -> [n, t, d]. Writes the rows' keys and
+    values where `kv` (the cache's view of this forward, specdec/cache.py) puts them and attends over the slots it
+    reads (kv_len = mask.shape[-1]). `pre` (norm, q/k/v, RoPE) and `post` (o_proj, MLP) may be compiled versions
+    (specdec/graphs.py): the cache writes and the attention stay outside them, so no compiled code sees the cache's
+    or the mask's lengths."""
     q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
-    rows = torch.arange(n, device=x.device)[:, None]
-    kc[rows, :, positions] = k.to(kc.dtype)  # [n, t, kv_heads, hd] at (row, slot)
-    vc[rows, :, positions] = v.to(vc.dtype)
-    kv_len = mask.shape[-1]
-    return post(x, layer, _attend(q, kc[:n, :, :kv_len], vc[:n, :, :kv_len], mask), eps)
+    kv.write(index, k, v)
+    return post(x, layer, _attend(q, *kv.read(index), mask), eps)
 
 
-def layer_prefill(x: torch.Tensor, layer: Layer, kc: torch.Tensor, vc: torch.Tensor, row_ids: torch.Tensor,
-                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                  heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
-    """One decoder layer over fresh rows (their tokens from position 0): writes their keys and values into
-    cache rows `row_ids` [n] and attends causally within the forward's own tokens (nothing to read back)."""
+def layer_prefill(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """Decoder layer `index` over fresh rows (their tokens from position 0): writes their keys and values where
+    `kv` puts them and attends causally within the forward's own tokens (nothing to read back)."""
     q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
-    kc[row_ids[:, None], :, positions] = k.to(kc.dtype)
-    vc[row_ids[:, None], :, positions] = v.to(vc.dtype)
+    kv.write(index, k, v)
     return _layer_out(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
 
 
@@ -223,37 +218,39 @@ def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
     return cos, sin, mask.repeat(1, 1, w.heads // w.kv_heads, 1)
 
 
-def forward(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens: torch.Tensor,
-            positions: torch.Tensor, kv_len: int, layer_fn=layer_forward, slots: torch.Tensor | None = None,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Hidden states [n, t, d] after the final norm, for cache rows [0, n).
+def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+            layer_fn=layer_forward, slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            start: int = 0) -> torch.Tensor:
+    """Hidden states [n, t, d] after the final norm, for cache rows [start, start + n).
 
-    k_cache, v_cache: per layer [rows >= n, kv_heads, max_len, head_dim]; token j of row i is written at
-    slot positions[i, j] (clamped into the buffer) and attends to slots 0..positions[i, j] of its row,
-    among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn` runs each layer
-    (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
+    Token j of row i is written at slot positions[i, j] (clamped into the cache's rows) and attends to slots
+    0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn`
+    runs each layer (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
     function serves them all). A token tree (specdec/trees.py) gives the `slots` its tokens are written at
     (default: their positions) and its own `mask` [n, 1, t, >= kv_len].
     """
-    positions = positions.clamp(max=k_cache[0].shape[2] - 1)
+    n = tokens.shape[0]
+    positions = positions.clamp(max=cache.max_len - 1)
     cos, sin, causal = _rope_and_mask(w, positions, kv_len)
     if mask is not None:
         causal = mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1)
-    slots = positions if slots is None else slots.clamp(max=k_cache[0].shape[2] - 1)
+    slots = positions if slots is None else slots.clamp(max=cache.max_len - 1)
+    kv = cache.view(start, start + n, slots, kv_len)
     x = embed(w, tokens)
-    for layer, kc, vc in zip(w.layers, k_cache, v_cache):
-        x = layer_fn(x, layer, kc, vc, slots, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
+    for index, layer in enumerate(w.layers):
+        x = layer_fn(x, layer, kv, index, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)
 
 
-def prefill(w: LlamaWeights, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], tokens: torch.Tensor,
-            row_ids: torch.Tensor, layer_fn=layer_prefill) -> torch.Tensor:
-    """Fill cache rows `row_ids` [n] with tokens [n, t] at positions 0..t-1 (right padding past a row's
+def prefill(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, start: int,
+            layer_fn=layer_prefill) -> torch.Tensor:
+    """Fill cache rows [start, start + n) with tokens [n, t] at positions 0..t-1 (right padding past a row's
     length writes slots that are masked until overwritten); returns the hidden states [n, t, d]."""
     n, t = tokens.shape
     positions = torch.arange(t, device=tokens.device)[None, :].expand(n, t)
     cos, sin, mask = _rope_and_mask(w, positions, t)
+    kv = cache.view(start, start + n, positions.clamp(max=cache.max_len - 1), 0)
     x = embed(w, tokens)
-    for layer, kc, vc in zip(w.layers, k_cache, v_cache):
-        x = layer_fn(x, layer, kc, vc, row_ids, positions, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
+    for index, layer in enumerate(w.layers):
+        x = layer_fn(x, layer, kv, index, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import model_kv_shape
+from .cache import BLOCK, model_kv_shape
 from .costmodel import pow2_at_least
 
 GiB = 1 << 30
@@ -69,7 +69,7 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
 
     def forward(self, rows: int, tokens: int, kv: int, logits: str = "none", top_ids: int = 0,
-                additive_mask: bool = True) -> int:
+                additive_mask: bool = True, paged: bool = False) -> int:
         """Peak bytes one lean forward (specdec/llama.py; the generic path is taken as alike) holds besides the
         caches: `rows` rows of `tokens` tokens over `kv` slots. In the model's dtype, per token, in every layer: the
         fused q/k/v ((heads + 2 kv_heads) hd), the roped q, its grouped copy and the attention's output (3 heads
@@ -78,11 +78,14 @@ class Shape:
         intermediate). The boolean mask (rows x group x tokens x kv bytes) lives across layers; while attention runs
         on CUDA (`additive_mask`), torch's SDPA holds an additive copy in the dtype, its negation and an aligned copy.
         Then the output: `all` logits [rows, tokens, vocab] and hidden states, the `last` position's of each row,
-        or (`top_ids`: the prefill's most likely ids) a copy of the hidden states, the ids, and logits 2^26 at a time."""
+        or (`top_ids`: the prefill's most likely ids) a copy of the hidden states, the ids, and logits 2^26 at a time.
+        Over a `paged` cache, attention reads a layer's keys and values gathered (and their pool slots, int64)."""
         e, n, hd = self.itemsize, rows * tokens, self.head_dim
         common = (self.heads + 2 * self.kv_heads) * hd + 3 * self.heads * hd + self.kv_heads * hd + 2 * hd
         mask = rows * (self.heads // self.kv_heads) * tokens * kv
         attention = n * e * (self.d + common) + mask * (2 + 2 * e if additive_mask else 1)
+        if paged:
+            attention += rows * kv * (2 * self.kv_heads * hd * e + 8)
         mlp = n * e * (4 * self.d + common + 4 * self.intermediate) + mask
         out = 0
         if logits == "all":
@@ -151,13 +154,16 @@ class Need:
     kv: int  # KV caches and the batch's token buffer
     graphs: int  # captured steps: kept inputs and outputs, and one step's working memory
     activations: int  # the largest forward (a prefill, a catch-up) or round
+    pool: int | None = None  # a paged cache's slots (specdec/cache.py); None: dense rows x max_len
 
     @property
     def total(self) -> int:
         return self.kv + self.graphs + self.activations
 
     def describe(self) -> str:
-        return (f"{self.total / GiB:.2f} GiB ({self.rows} rows x {self.max_len} slots of KV cache {self.kv / GiB:.2f}, "
+        cache = f"{self.rows} rows x {self.max_len} slots" if self.pool is None else \
+            f"{self.rows} rows in a pool of {self.pool} slots"
+        return (f"{self.total / GiB:.2f} GiB ({cache} of KV cache {self.kv / GiB:.2f}, "
                 f"captured steps {self.graphs / GiB:.2f}, activations {self.activations / GiB:.2f})")
 
 
@@ -176,6 +182,7 @@ class MemoryPlan:
     prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
+    paged: bool = False  # the caches are paged (specdec/cache.py): attention gathers what it reads
     slack: int = GiB // 2
 
     @property
@@ -183,10 +190,14 @@ class MemoryPlan:
         """Bytes the caches, captured steps and activations may take."""
         return int(self.fraction * self.total) - self.used - self.slack
 
-    def need(self, rows: int, max_len: int, batch: int, row_len: int, prompt: int) -> Need:
+    def need(self, rows: int, max_len: int, batch: int, row_len: int, prompt: int, pool: int | None = None) -> Need:
         """What caches of `rows` rows x `max_len` slots take with a batch of `batch` rows of up to `row_len` slots
-        whose prompts have up to `prompt` tokens."""
-        kv = rows * max_len * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
+        whose prompts have up to `prompt` tokens; paged ones (`pool` slots, and a block table per row of `max_len`
+        slots) hold `pool` slots instead of the rows'."""
+        slots = rows * max_len if pool is None else pool
+        kv = slots * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
+        if pool is not None:
+            kv += len(self.roles) * 8 * rows * -(-max_len // BLOCK)
         graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
                      for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
         if graphs:  # and the pool keeps the working memory of the widest step captured
@@ -197,7 +208,7 @@ class MemoryPlan:
                 self._forward(self.roles[0], step_rows, self.width, max_len, "all")
                 + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
         acts += [self.catch_up(role, batch, row_len) for role in self.roles[1:]]
-        return Need(rows, max_len, batch, kv, graphs, max(acts))
+        return Need(rows, max_len, batch, kv, graphs, max(acts), pool)
 
     def prefill(self, role: Role, batch: int, prompt: int) -> int:
         """Peak bytes of a prefill of `batch` rows of up to `prompt` tokens: its largest forward (rows x tokens
@@ -224,7 +235,7 @@ class MemoryPlan:
                             for kv in windows} for role in self.roles if role.graphs}
 
     def _forward(self, role: Role, rows: int, tokens: int, kv: int, logits: str) -> int:
-        return role.shape.forward(rows, tokens, kv, logits, self.prompt_top_ids, self.additive_mask)
+        return role.shape.forward(rows, tokens, kv, logits, self.prompt_top_ids, self.additive_mask, self.paged)
 
     def fits(self, need: Need) -> bool:
         return need.total <= self.budget

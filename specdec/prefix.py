@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .cache import KVCache
+
 
 @dataclass
 class Block:
@@ -91,24 +93,21 @@ class PrefixStore:
             out.append(follows)
         return out
 
-    def load(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], row: int, keys: list[int]) -> int:
+    def load(self, cache: KVCache, row: int, keys: list[int]) -> int:
         """Write the blocks `keys` (a match) into slots [0, len(keys) * block) of cache row `row`; returns that
         many tokens."""
         if not keys:
             return 0
-        n = len(keys) * self.block
         k = torch.cat([self.blocks[key].k for key in keys], dim=2)  # [layers, kv_heads, n, head_dim]
         v = torch.cat([self.blocks[key].v for key in keys], dim=2)
-        for layer, (kc, vc) in enumerate(zip(k_cache, v_cache)):
-            kc[row, :, :n] = k[layer]
-            vc[row, :, :n] = v[layer]
-        return n
+        cache.write_slots(row, 0, k, v)
+        return k.shape[2]
 
     def top_ids(self, keys: list[int], top_ids: int) -> np.ndarray:
         """The first `top_ids` most likely ids the blocks `keys` keep [len(keys) * block, top_ids]."""
         return np.concatenate([self.blocks[key].top[:, :top_ids] for key in keys])
 
-    def store(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], row: int, tokens: Sequence[int],
+    def store(self, cache: KVCache, row: int, tokens: Sequence[int],
               cached: int, top: np.ndarray | None = None) -> int:
         """Keep the full blocks among the first `cached` tokens of cache row `row` (holding `tokens`) that are not
         stored yet, evicting the least recently used beyond the budget; returns the blocks added. `top` [>= cached,
@@ -119,8 +118,7 @@ class PrefixStore:
         new = [i for i, (key, _, _) in enumerate(chain) if key not in self.blocks]
         if new:  # the row's slots from its first new block, one copy per layer, then a block each
             lo, hi = new[0] * self.block, len(chain) * self.block
-            k = torch.stack([kc[row, :, lo:hi] for kc in k_cache]).split(self.block, dim=2)
-            v = torch.stack([vc[row, :, lo:hi] for vc in v_cache]).split(self.block, dim=2)
+            k, v = (kv.split(self.block, dim=2) for kv in cache.read_slots(row, lo, hi))
         for i, (key, chunk, parent) in enumerate(chain):
             have = self.blocks.get(key)
             if have is not None and (have.tokens != chunk or have.parent != parent):

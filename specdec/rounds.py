@@ -107,7 +107,12 @@ class Rounds:
         b = self.batch
         while queue or b.n:
             if queue and b.n < b.capacity:
-                self.admit([queue.popleft() for _ in range(min(b.capacity - b.n, len(queue)))], len(queue))
+                heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
+                fits = b.room([(len(r.prompt), r.sp.max_new_tokens) for r in heads])
+                if fits == 0 and b.n == 0:
+                    raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
+                if fits:
+                    self.admit([queue.popleft() for _ in range(fits)], len(queue))
             self.round()
 
     def admit(self, indices: list[int], waiting: int = 0) -> None:

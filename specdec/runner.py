@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import graphs as graphs_mod
 from . import llama
-from .cache import RaggedKVCache, forward_hidden
+from .cache import KVCache, forward_hidden
 from .costmodel import pow2_at_least
 from .graphs import StepGraphs, compiled_layer
 
@@ -44,7 +44,7 @@ class ModelRunner:
     # never (bench/gpu_speed.py compares)
     compile_layers: bool | None = None
 
-    def __init__(self, model, cache: RaggedKVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
+    def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
                  lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None):
         """`lean`: use the lean forward where the model allows it. `graphs`: replay captured steps (default:
         on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly). `weights`:
@@ -87,8 +87,7 @@ class ModelRunner:
         if offsets is not None:
             hidden = self._extend(tokens, start, end, offsets)
         elif self.lean is not None:
-            rows = torch.arange(start, end, device=self.device)
-            hidden = llama.prefill(self.lean, self.cache.k, self.cache.v, tokens, rows)
+            hidden = llama.prefill(self.lean, self.cache, tokens, start)
         else:
             t = tokens.shape[1]
             positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
@@ -112,8 +111,7 @@ class ModelRunner:
             + torch.arange(t, device=self.device)
         kv_len = min(int(np.max(offsets)) + t, self.cache.max_len)
         if self.lean is not None:
-            return llama.forward(self.lean, [k[start:end] for k in self.cache.k],
-                                 [v[start:end] for v in self.cache.v], tokens, positions, kv_len, llama.layer_forward)
+            return llama.forward(self.lean, self.cache, tokens, positions, kv_len, llama.layer_forward, start=start)
         return forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -185,8 +183,7 @@ class ModelRunner:
 
     def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, layer=None):
         if self.lean is not None:
-            hidden = llama.forward(self.lean, self.cache.k, self.cache.v, tokens, positions, kv_len,
-                                   layer or self.layer, slots, mask)
+            hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, layer or self.layer, slots, mask)
         else:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:

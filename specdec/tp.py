@@ -228,3 +228,15 @@ class _Cache:
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._runner.call("move_slots", src, dst)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        self.move_row(src, dst, length)  # dense rows: a copy is a move that keeps the source
+
+    def reserve(self, row: int, slots: int) -> None:
+        """Dense rows take nothing when they join."""
+
+    def release(self, row: int) -> None:
+        """... nor give anything back when they leave."""
+
+    def free_slots(self) -> None:
+        return None

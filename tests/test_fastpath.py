@@ -11,7 +11,7 @@ import torch
 
 from engine_models import DEVICE, MAX_NEW, noisy_copy, pair
 from specdec import llama
-from specdec.cache import RaggedKVCache, forward_hidden
+from specdec.cache import PagedKVCache, RaggedKVCache, blocks_for, forward_hidden
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.runner import ModelRunner
@@ -25,46 +25,67 @@ def ragged_inputs(seed=0, n=3):
     return prefill.to(DEVICE), step.to(DEVICE), (lengths[:, None] + torch.arange(3)[None]).to(DEVICE)
 
 
-def test_lean_forward_matches_transformers(target):
+def cache_of(target, layout: str, rows: int = 4, max_len: int = 64):
+    """A cache of `rows` rows of `max_len` slots: dense, or paged with every row's blocks reserved (rows taking
+    them in reverse, so that no row's blocks are contiguous in the pool: the table is what maps them)."""
+    if layout == "dense":
+        return RaggedKVCache(target, rows, max_len)
+    cache = PagedKVCache(target, rows, max_len, 1 + rows * blocks_for(max_len) + 3)
+    cache.free.reverse()
+    for row in range(rows):
+        cache.reserve(row, max_len)
+    return cache
+
+
+def held(cache, rows: int, length: int) -> list[torch.Tensor]:
+    """Keys and values of slots [0, length) of rows [0, rows) in every layer: [layers, rows, kv_heads, length, hd]."""
+    return [torch.stack([kv[i] for kv in (cache.read_slots(r, 0, length) for r in range(rows))], dim=1)
+            for i in range(2)]
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_lean_forward_matches_transformers(target, layout):
     """Prefill and a ragged multi-token step: hidden states and cache contents as transformers' modules
-    compute them over the same cache (float32; fused q/k/v may round differently in the last bits)."""
+    compute them over a dense cache (float32; fused q/k/v may round differently in the last bits), the lean
+    forward's over a dense or a paged one."""
     prefill, step, positions = ragged_inputs()
     w = llama.load_weights(target)
-    hf, lean = RaggedKVCache(target, 4, 64), RaggedKVCache(target, 4, 64)
+    hf, lean = RaggedKVCache(target, 4, 64), cache_of(target, layout)
     with torch.inference_mode():
         a = forward_hidden(target, hf, prefill, torch.arange(20, device=DEVICE)[None].expand(3, 20), 0, 3, 20)
-        b = llama.prefill(w, lean.k, lean.v, prefill, torch.arange(3, device=DEVICE))
+        b = llama.prefill(w, lean, prefill, 0)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         a = forward_hidden(target, hf, step, positions, 0, 3, 23)
-        b = llama.forward(w, lean.k, lean.v, step, positions, 23)
+        b = llama.forward(w, lean, step, positions, 23)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        for x, y in zip(hf.k + hf.v, lean.k + lean.v):
-            torch.testing.assert_close(x[:3, :, :23], y[:3, :, :23], rtol=1e-5, atol=1e-5)
+        for x, y in zip(held(hf, 3, 23), held(lean, 3, 23)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     assert llama.load_weights(target) is w  # fused once per model
     fused = w.layers[0].qkv
     q = target.model.layers[0].self_attn.q_proj.weight
     assert q.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()  # a view: nothing held twice
 
 
-def test_verify_step_compiles_whole_and_matches_eager(target):
-    """torch.compile(fullgraph=True) of the verify step (lean forward over the ragged cache + head): a
-    host sync or a data-dependent Python branch would be a graph break and fail here."""
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_verify_step_compiles_whole_and_matches_eager(target, layout):
+    """torch.compile(fullgraph=True) of the verify step (lean forward over the ragged cache + head; a paged cache's
+    table lookups included): a host sync or a data-dependent Python branch would be a graph break and fail here."""
     prefill, step, positions = ragged_inputs(seed=1)
     w = llama.load_weights(target)
     head = target.get_output_embeddings().weight
-    caches = [RaggedKVCache(target, 4, 64) for _ in range(2)]
+    caches = [cache_of(target, layout) for _ in range(2)]
 
-    def verify_step(k, v, tokens, pos):
-        return torch.nn.functional.linear(llama.forward(w, k, v, tokens, pos, 32), head)
+    def verify_step(cache, tokens, pos):
+        return torch.nn.functional.linear(llama.forward(w, cache, tokens, pos, 32), head)
 
     compiled = torch.compile(verify_step, fullgraph=True, dynamic=False)
     with torch.inference_mode():
         for c in caches:
-            llama.prefill(w, c.k, c.v, prefill, torch.arange(3, device=DEVICE))
-        eager = verify_step(caches[0].k, caches[0].v, step, positions)
-        got = compiled(caches[1].k, caches[1].v, step, positions)
+            llama.prefill(w, c, prefill, 0)
+        eager = verify_step(caches[0], step, positions)
+        got = compiled(caches[1], step, positions)
     torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
-    for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):  # the compiled step wrote the cache
+    for x, y in zip(held(caches[0], 3, 64), held(caches[1], 3, 64)):  # the compiled step wrote the cache
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 

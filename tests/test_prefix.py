@@ -20,14 +20,14 @@ def runner(model, rows=4, max_len=128, lean=True) -> ModelRunner:
 def prefill(r: ModelRunner, row: int, tokens: list[int], store: PrefixStore | None = None) -> int:
     """Cache all but the last of `tokens` in `row`, reusing stored blocks; returns the tokens reused."""
     cached = len(tokens) - 1
-    reused = store.load(r.cache.k, r.cache.v, row, store.match(tokens, cached)) if store else 0
+    reused = store.load(r.cache, row, store.match(tokens, cached)) if store else 0
     rest = torch.tensor([tokens[reused:cached]])
     if reused:
         r.prefill(rest, row, row + 1, offsets=[reused])
     else:
         r.prefill(rest, row, row + 1)
     if store:
-        store.store(r.cache.k, r.cache.v, row, tokens, cached)
+        store.store(r.cache, row, tokens, cached)
     return reused
 
 
@@ -97,7 +97,7 @@ def test_the_store_keeps_its_budget_and_evicts_the_deepest_least_recent_blocks_f
     assert len(store.match(a, 8)) == 1  # a's first block, shared with b, was kept
     assert len(store.match(b, 8)) == 2
     tiny = PrefixStore(budget=one - 1, block=4)
-    assert tiny.store(r.cache.k, r.cache.v, 0, a, 8) == 0 and tiny.nbytes == 0
+    assert tiny.store(r.cache, 0, a, 8) == 0 and tiny.nbytes == 0
 
 
 def shared_prompts(rows: int, shared: int = 70, seed: int = 5) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """KV memory for mixed prompt lengths: what the engine allocates against what its rows hold, and the rows a GPU
-budget admits, with the allocation rule of today and the power-of-two rule before it (2026-11-26).
+budget admits: dense rows with the allocation rule of today and the power-of-two rule before it (2026-11-26), and
+the paged cache (`resources.kv_cache: paged`, 2026-11-27).
 
     python bench/kv_memory.py [--rows 256] [--min-len 50] [--max-len 2000] [--max-new 64] [--budget-gib 4]
 
@@ -7,7 +8,9 @@ Prompt lengths are drawn uniformly from [min-len, max-len] (seeded). The real pa
 draft_model`, both caches) is given device figures whose budget is `--budget-gib` (as the tests drive the plan on
 a CPU), and sizes its batch for the job as `generate()` does (`SpecEngine.sizes`). Prints, per rule: the slots a
 row gets, the rows admitted, and KV bytes allocated over KV bytes held, for a batch of the longest rows (the first
-admission, longest first) and for a batch of rows of the mean length (later admissions mix lengths). Nothing
+admission, longest first) and for a batch of rows of the mean length (later admissions mix lengths); the paged
+cache's rows are those its pool holds at once (each row reserves its prompt, `max_new` and the draft's slack, in
+16-slot blocks), within the rows its memory plan gives steps and activations for. Nothing
 runs on the models: these are the engine's own sizing decisions, which tests/test_memory.py holds to the measured
 allocation.
 """
@@ -23,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
 
 from specdec import memory  # noqa: E402
+from specdec.cache import BLOCK, blocks_for  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.costmodel import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
@@ -45,11 +49,14 @@ def main():
     pair = load_bench_pair(args)
     rng = random.Random(0)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
-    eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method="draft_model"),
-                     batch_size=args.rows, prefix_caching=False)
+    engines = {layout: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method="draft_model"),
+                                  batch_size=args.rows, prefix_caching=False, kv_cache=layout)
+               for layout in ("dense", "paged")}
     total = 80 * memory.GiB
     budget = int(args.budget_gib * memory.GiB)
-    eng.device_memory = lambda: (int((1 - eng.gpu_memory_fraction) * total) + budget + memory.GiB // 2, total)
+    for e in engines.values():
+        e.device_memory = lambda e=e: (int((1 - e.gpu_memory_fraction) * total) + budget + memory.GiB // 2, total)
+    eng = engines["dense"]
     plan = eng.memory_plan()
     per_token = memory.kv_bytes_per_token(m for m in (pair.target, pair.draft))
     row_len = eng.row_tokens(max(lengths))
@@ -58,7 +65,7 @@ def main():
     print(f"# {args.rows} prompts of {args.min_len}-{args.max_len} tokens (mean {mean:.0f}), {args.max_new} new, "
           f"KV budget {args.budget_gib} GiB, {per_token} KV bytes per token (both models), {describe(pair)}")
     print(f"{'rule':12s} {'slots/row':>9s} {'rows':>5s} {'KV GiB':>7s} {'alloc/held, longest':>20s} "
-          f"{'alloc/held, mean':>17s}")
+          f"{'alloc/held, mean':>17s} {'rows, mean':>10s}")
     rules = {"power of 2": pow2_rule(eng), "today": eng.alloc_len}
     rows = {}
     for name, rule in rules.items():
@@ -69,8 +76,22 @@ def main():
         held_mean = need.batch * (mean + args.max_new) * per_token
         alloc = need.rows * need.max_len * per_token
         print(f"{name:12s} {need.max_len:9d} {need.batch:5d} {alloc / memory.GiB:7.2f} {alloc / held_longest:20.2f} "
-              f"{alloc / held_mean:17.2f}")
-    print(f"rows admitted, today / power of 2: {rows['today'] / rows['power of 2']:.2f}")
+              f"{alloc / held_mean:17.2f} {need.batch:10d}")
+    paged = engines["paged"]
+    slots = sorted((paged.row_tokens(n) for n in lengths), reverse=True)
+    need = paged.sizes(args.rows, row_len, max(lengths), paged.memory_plan(), slots)
+    pool = need.pool - BLOCK  # the scratch block holds no row
+    taken = [blocks_for(s) * BLOCK for s in slots]
+    first = next((i for i in range(need.rows + 1) if i == need.rows or sum(taken[: i + 1]) > pool), need.rows)
+    at_mean = min(need.rows, int(pool // (blocks_for(round(paged.row_tokens(round(mean)))) * BLOCK)))
+    alloc = need.pool * per_token
+    held_longest = sum(n + args.max_new for n in longest[:first]) * per_token
+    held_mean = at_mean * (mean + args.max_new) * per_token
+    print(f"{'paged':12s} {'own':>9s} {first:5d} {alloc / memory.GiB:7.2f} {alloc / held_longest:20.2f} "
+          f"{alloc / held_mean:17.2f} {at_mean:10d}")
+    print(f"rows admitted, today / power of 2: {rows['today'] / rows['power of 2']:.2f}; paged / today: "
+          f"{first / rows['today']:.2f} for the longest rows, {at_mean / rows['today']:.2f} at the mean length "
+          f"(the plan gives steps and activations for {need.rows} rows)")
 
 
 if __name__ == "__main__":

@@ -65,12 +65,14 @@ def resolve_output_path(path: str, date: str | None = None) -> str:
 
 
 def check_sections(spec) -> None:
-    """What a job's and a Generator's sections must agree on: a method that drafts with a model has one, and a row
-    has a prompt."""
+    """What a job's and a Generator's sections must agree on: a method that drafts with a model has one, a row has a
+    prompt, and a paged cache has a target in one process."""
     if METHODS[spec.speculation.method].draft_model and spec.models.draft is None:
         raise ValueError(f"speculation.method {spec.speculation.method} needs models.draft")
     if not spec.input.prompt_column and not spec.input.messages_column:
         raise ValueError("input needs prompt_column or messages_column")
+    if spec.resources.kv_cache == "paged" and spec.models.target.tensor_parallel > 1:
+        raise ValueError("resources.kv_cache: paged does not run with models.target.tensor_parallel > 1 yet: use dense")
 
 
 class JobSpec(Config):

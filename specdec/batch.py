@@ -65,7 +65,10 @@ class Slots:
         entries[name] = entry
 
     def add_cache(self, cache, length: np.ndarray) -> None:
-        """A KV cache's rows (`move_row(src, dst, slots)`): a row moves with its first length[row] slots."""
+        """A KV cache's rows (`move_row(src, dst, slots)`): a row moves with its first length[row] slots. Its rows
+        start free (what an earlier batch left, e.g. after a failure, is released)."""
+        for row in range(self.capacity):
+            cache.release(row)
         self._caches.append((cache, length))
 
     def admit(self, start: int, end: int, slots: list[int] | None = None) -> None:

@@ -272,18 +272,29 @@ class SpecEngine:
 
     def _paged_sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan,
                      slots: list[int]) -> memory.Need:
-        """Paged caches: as many rows (up to `want`) as fit with a pool for the longest row alone, then the largest
-        pool that fits, up to what the `rows` longest rows reserve together: rows join while blocks are free."""
+        """Paged caches for rows of these `slots` (longest first): the current ones when the plan fits them and they
+        hold the longest row, else the most rows (up to `want`) whose steps and activations leave a pool for that many
+        rows of the mean reservation (and for the longest row), the pool taking what they leave, up to what the
+        longest rows reserve together. Rows join while blocks are free."""
         length = self.alloc_len(row_len)
+        mean = sum(blocks_for(s) for s in slots) / len(slots)
+        have = self._runners.get("target")
+        if have is not None and have.cache.max_len >= length and have.cache.blocks >= self.pool_blocks(slots[:1]):
+            keep = plan.need(have.cache.rows, have.cache.max_len, min(want, have.cache.rows), row_len, prompt,
+                             pool=have.cache.blocks * BLOCK)
+            if plan.fits(keep):  # the current caches, and their captured steps
+                return keep
 
         def need(rows: int, blocks: int) -> memory.Need:
             return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
 
-        least = self.pool_blocks(slots[:1])
-        rows = memory.largest(lambda r: plan.fits(need(r, least)), want)
+        def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
+            return memory.largest(lambda b: plan.fits(need(rows, b)), self.pool_blocks(slots[:rows]))
+
+        rows = memory.largest(lambda r: pool(r) >= self.pool_blocks(slots[:1]) and pool(r) - 1 >= r * mean, want)
         if not rows:
-            raise plan.refuse(need(1, least), f"one row of {row_len} slots")
-        return need(rows, memory.largest(lambda b: plan.fits(need(rows, b)), self.pool_blocks(slots[:rows])))
+            raise plan.refuse(need(1, self.pool_blocks(slots[:1])), f"one row of {row_len} slots")
+        return need(rows, pool(rows))
 
     @property
     def step_path(self) -> str:

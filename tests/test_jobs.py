@@ -94,6 +94,11 @@ def test_config_errors_name_the_key(tmp_path, tiny_pair, capsys):
         load_spec(path, ["resources.gpu_memory_fraction=1.5"])
     with pytest.raises(ConfigError, match="needs models.draft"):
         parse_spec({**cfg, "models": {"target": cfg["models"]["target"]}})
+    with pytest.raises(ConfigError, match=r"resources\.kv_cache: Input should be 'dense' or 'paged'"):
+        load_spec(path, ["resources.kv_cache=pages"])
+    with pytest.raises(ConfigError, match=r"resources\.kv_cache: paged does not run with models\.target\.tensor_par"):
+        load_spec(path, ["resources.kv_cache=paged", "models.target.tensor_parallel=2"])
+    assert load_spec(path, ["resources.kv_cache=paged"]).resources.engine_settings()["kv_cache"] == "paged"
     spec = load_spec(path, ["generation.max_new_tokens=5", "resources.num_workers=1"])
     assert spec.generation.max_new_tokens == 5 and spec.resources.num_workers == 1
     assert cli(["run", path, "--set", "input.bogus=1"]) == 2

@@ -20,9 +20,11 @@ from torch.utils._pytree import tree_flatten
 from engine_models import noisy_copy, pair, flat_profile, tiny_llama
 from specdec import llama, memory
 from specdec import runner as runner_mod
+from specdec.cache import BLOCK
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.graphs import StepGraphs
+from specdec.rounds import Rounds
 
 GiB = memory.GiB
 
@@ -84,11 +86,12 @@ def models():
 
 
 def make_engine(models, method="draft_model", bs=4, max_new=16, m=4, draft="draft", figures=(1 << 40, 1 << 40),
-                sp=None, prefill_chunk: int | None = 2048, **spec):
+                sp=None, prefill_chunk: int | None = 2048, kv_cache: str = "dense", **spec):
     spec = {"max_draft_tokens": m, "num_draft_tokens": m, "draft_length": "fixed", **spec}
     eng = SpecEngine(pair(models["target"], models[draft] if method == "draft_model" else None),
                      SamplingParams(max_new_tokens=max_new, **(sp or {})), SpecConfig(method=method, **spec),
-                     batch_size=bs, step_graphs=True, profile=flat_profile(), prefill_chunk=prefill_chunk)
+                     batch_size=bs, step_graphs=True, profile=flat_profile(), prefill_chunk=prefill_chunk,
+                     kv_cache=kv_cache)
     eng.device_memory = lambda: figures
     return eng
 
@@ -221,6 +224,32 @@ def test_a_batch_that_does_not_fit_runs_with_fewer_rows(models, kept_graphs):
     assert eng.need.rows == eng.need.batch == 2 and eng._runners["target"].cache.rows == 2
     assert peak.peak <= plan.budget < free.need.total
     assert 0 < eng.prefix.nbytes <= plan.budget - eng.need.total
+
+
+def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_graphs, monkeypatch):
+    """Mixed lengths under a budget that fits 2 dense rows (every row sized for the longest): the paged cache's
+    pool holds the short rows' own slots, so twice the rows run at once, within the budget, with the same output,
+    and rows that find no free blocks wait for them. (An 8-layer model: its keys and values, not its logits, take
+    most of a row's bytes, as a real model's do.)"""
+    models = {"target": tiny_llama(vocab=300, layers=8, seed=0).cpu()}
+    lengths = [400, 40, 30, 50, 20, 45, 35, 25]
+    dense = make_engine(models, "none", bs=8, prefill_chunk=64)
+    figures = budget_for(dense, 2, lengths)
+    dense.device_memory = lambda: figures
+    ref = [r.token_ids for r in dense.generate(prompts_of(lengths))]
+    assert dense.need.batch == 2
+    eng = make_engine(models, "none", bs=8, figures=figures, prefill_chunk=64, kv_cache="paged")
+    plan = eng.memory_plan()
+    held = []
+    real_round = Rounds.round
+    monkeypatch.setattr(Rounds, "round", lambda self: (held.append(self.batch.n), real_round(self))[1])
+    with Peak() as peak:
+        out = eng.generate(prompts_of(lengths))
+    assert [r.token_ids for r in out] == ref
+    pool = eng._runners["target"].cache
+    assert eng.need.pool == pool.blocks * BLOCK < sum(pool.reservation(eng.row_tokens(n)) for n in lengths)
+    assert max(held) >= 2 * dense.need.batch
+    assert peak.peak <= plan.budget
 
 
 def test_what_cannot_fit_one_row_is_refused_with_the_figures(models):

@@ -57,6 +57,12 @@ class ResourcesSpec(Config):
                                       "forward takes, so that admitting many long prompts neither spikes memory "
                                       "nor needs room for them all at once (the GPU memory plan counts one chunk); "
                                       "null: each admission in one forward", json_schema_extra=NEUTRAL)
+    kv_cache: Literal["dense", "paged"] = Field(
+        "dense", description="how a worker holds keys and values: `dense` rows each of the batch's longest row's "
+        "slots, or `paged`: 16-token blocks each row reserves for its prompt and `max_new_tokens` when it joins, so "
+        "that rows of mixed lengths take their own tokens and more of them fit a GPU (rows join while blocks are "
+        "free; attention reads the blocks gathered: slower per step on CPU, not yet measured on a GPU)",
+        json_schema_extra=NEUTRAL)
     shard_size: int = Field(256, ge=1, description="rows per part")
     max_retries: int = Field(3, ge=0, description="retries of a shard whose worker process died (Ray restarts the "
                              "worker and runs the shard again)", json_schema_extra=NEUTRAL)
@@ -81,9 +87,9 @@ class ResourcesSpec(Config):
         return value
 
     def engine_settings(self) -> dict:
-        """The engine's prefix caching and prefill arguments (specdec.engine.SpecEngine)."""
+        """The engine's prefix caching, prefill and KV cache arguments (specdec.engine.SpecEngine)."""
         return {"prefix_caching": self.prefix_caching, "prefix_cache_bytes": int(self.prefix_cache_gib * (1 << 30)),
-                "prefill_chunk": self.prefill_chunk}
+                "prefill_chunk": self.prefill_chunk, "kv_cache": self.kv_cache}
 
     def worker_limits(self) -> tuple[int, int | None]:
         """(min, max) of `num_workers`: N is (N, N), `auto` is (1, None): as many as fit."""

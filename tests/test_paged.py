@@ -1,0 +1,101 @@
+"""The paged KV cache (specdec/cache.py): blocks reserved and freed by rows, and the engine's output over it equal
+to transformers' and to the dense cache's, on every path a step can take (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_models import MAX_NEW, engine, flat_profile, pair, tiny_llama
+from specdec.cache import BLOCK, PagedKVCache
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.rounds import Rounds
+
+
+def test_rows_reserve_blocks_release_them_and_move_by_their_table():
+    """A row takes the blocks of its slots and no more, a leaving row gives them back, a moved row keeps its keys
+    and values (its table row moves), a copied row gets its own blocks holding the same, and a row the pool cannot
+    hold is refused."""
+    model = tiny_llama(layers=1)
+    cache = PagedKVCache(model, rows=3, max_len=64, blocks=1 + 6)
+    assert cache.free_slots() == 6 * BLOCK and cache.reservation(33) == 3 * BLOCK
+    cache.reserve(0, 33)  # 3 blocks
+    cache.reserve(1, 16)  # 1 block
+    assert cache.free_slots() == 2 * BLOCK
+    assert (cache.table[0, :3] > 0).all() and (cache.table[0, 3:] == 0).all() and (cache.table[2] == 0).all()
+    k = torch.randn(1, cache.kv_heads, 33, cache.head_dim)
+    cache.write_slots(0, 0, k, -k)
+    with pytest.raises(RuntimeError, match="needs 3 blocks, 2 are free"):
+        cache.reserve(2, 40)
+    cache.release(1)
+    cache.move_row(0, 1, 33)  # row 0 leaves its slot for row 1's: no keys are copied, the table row moves
+    assert (cache.table[0] == 0).all() and cache.free_slots() == 3 * BLOCK
+    torch.testing.assert_close(cache.read_slots(1, 0, 33)[0], k)
+    cache.reserve(2, 40)
+    cache.copy_row(1, 2, 33)
+    assert set(cache.owned[2]).isdisjoint(cache.owned[1])
+    torch.testing.assert_close(cache.read_slots(2, 0, 33)[1], -k)
+    cache.release(1)
+    cache.release(2)
+    assert cache.free_slots() == 6 * BLOCK and not cache.table.any()
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8])
+@pytest.mark.parametrize("method,k", [("draft_model", None), ("draft_model", 4), ("none", None),
+                                      ("prompt_lookup", 4)])
+def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, reference, bs, method, k):
+    spec = {} if k is None else {"num_draft_tokens": k, "draft_length": "fixed"}
+    eng = engine(target, drafts["noisy"], method, bs, kv_cache="paged", **spec)
+    out = eng.generate(prompts)
+    assert [r.token_ids for r in out] == reference
+    cache = eng._runners["target"].cache
+    assert isinstance(cache, PagedKVCache) and cache.free_slots() == (cache.blocks - 1) * BLOCK  # all given back
+
+
+@pytest.mark.parametrize("path", [{"fast_path": False}, {"step_graphs": True}])
+def test_sampled_rows_samples_trees_and_every_path_equal_the_dense_cache(target, drafts, prompts, path):
+    """Sampled rows with n = 2 (a sample copies its prompt's row), then prompt lookup's token trees (a tree's
+    accepted path moves slots): the same tokens over paged rows as over dense ones, through transformers' own
+    modules and through the padded static steps (what CUDA graphs replay)."""
+    runs = {}
+    for layout in ("dense", "paged"):
+        sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, n=2, seed=5)
+        eng = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(method="draft_model"), batch_size=5,
+                         profile=flat_profile(), kv_cache=layout, **path)
+        repeating = [p * 3 for p in prompts]
+        trees = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW),
+                           SpecConfig(method="prompt_lookup", num_draft_tokens=4, draft_length="fixed",
+                                      prompt_lookup={"alignment_sampling": 2}),
+                           batch_size=3, kv_cache=layout, **path)
+        tree_out = trees.generate(repeating)
+        runs[layout] = [r.token_ids for r in eng.generate(prompts)], [r.token_ids for r in tree_out]
+        assert sum(r.accepted_tokens for r in tree_out) > 0
+    assert runs["paged"] == runs["dense"]
+
+
+def test_shared_prefixes_are_reused_into_paged_rows(target):
+    """Prefix caching writes stored blocks into a paged row's own blocks: rows reuse the shared instruction and
+    give the tokens of a run without the store."""
+    g = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, 96, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 5, 12, 7)]
+    got = engine(target, None, "none", 2, kv_cache="paged").generate(prompts)
+    ref = engine(target, None, "none", 2, prefix_caching=False).generate(prompts)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+    assert sum(r.cached_prompt_tokens for r in got) >= 4 * 32
+
+
+def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monkeypatch):
+    """A pool smaller than the batch's rows need at once: rows join as blocks come free, every row finishes with
+    transformers' output, and the batch never held more rows than the pool had room for."""
+    eng = engine(target, None, "none", 8, kv_cache="paged", prefix_caching=False)
+    held, blocks = [], 1 + 9  # rows take 2-4 blocks (27-56 slots): 2 to 4 rows at once, not 8
+    real = eng.new_batch
+    monkeypatch.setattr(eng, "new_batch", lambda rows, max_len, policy, _: real(rows, max_len, policy, blocks))
+    real_round = Rounds.round
+    monkeypatch.setattr(Rounds, "round", lambda self: (held.append(self.batch.n), real_round(self))[1])
+    out = eng.generate(prompts)
+    assert [r.token_ids for r in out] == reference
+    assert eng._runners["target"].cache.blocks == blocks
+    assert 2 <= max(held) <= 4 < len(prompts)

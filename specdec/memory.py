@@ -5,7 +5,8 @@ under `gpu_memory_fraction` of the device once the weights are loaded (`used`: t
 other tensors, other processes; the engine's current caches and captured steps count as free, since a new
 allocation replaces them):
 - the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: rounded up, at most 1.25x, and
-  one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer;
+  one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
+  (specdec/cache.py): its pool's slots instead, and its block tables;
 - captured steps (specdec/graphs.py): each key the runner can capture keeps its static inputs and outputs
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the

@@ -178,7 +178,7 @@ def test_output_neutral_keys_keep_the_fingerprint(tmp_path, tiny_pair):
              "resources.gpu_memory_fraction": 0.5, "resources.shard_timeout_s": 60,
              "resources.group_timeout_s": 90, "speculation.verify_padding": "false",
              "resources.prefix_caching": "false", "resources.prefix_cache_gib": 2,
-             "resources.prefill_chunk": 64}
+             "resources.prefill_chunk": 64, "resources.kv_cache": "paged"}
     assert set(other) == set(OUTPUT_NEUTRAL)
     for key, value in other.items():
         changed = load_spec(path, [f"{key}={value}"])

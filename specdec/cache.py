@@ -56,9 +56,32 @@ class KVView:
         raise NotImplementedError
 
 
-class KVCache(Cache):
-    """What both layouts share: the rows, the slots a row can have, transformers' Cache API over `view`s, and the
-    row bookkeeping a layout without blocks does not need (`reserve`, `release`, `free_slots`)."""
+class WholeRows:
+    """Row bookkeeping of caches whose rows are allocated whole (dense rows, a tensor-parallel group's): a row takes
+    nothing when it joins and gives nothing back when it leaves, and a copy is a move that keeps the source."""
+
+    def reserve(self, row: int, slots: int) -> None:
+        """Row `row` joins and may come to hold `slots` slots."""
+
+    def release(self, row: int) -> None:
+        """Row `row` leaves: what it holds is free."""
+
+    def free_slots(self) -> int | None:
+        """Slots rows joining now may reserve (None: no limit but the rows)."""
+        return None
+
+    def reservation(self, slots: int) -> int:
+        """Slots a row that may hold `slots` slots takes from `free_slots`."""
+        return slots
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Row dst (reserved) starts with row src's first `length` slots."""
+        self.move_row(src, dst, length)
+
+
+class KVCache(WholeRows, Cache):
+    """What both layouts share: the rows, the slots a row can have, transformers' Cache API over `view`s, and (from
+    `WholeRows`) the row bookkeeping a layout without blocks needs none of."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -102,25 +125,6 @@ class KVCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return True
-
-    # -- rows ------------------------------------------------------------------------------------
-    def reserve(self, row: int, slots: int) -> None:
-        """Row `row` joins and may come to hold `slots` slots."""
-
-    def release(self, row: int) -> None:
-        """Row `row` leaves: what it holds is free."""
-
-    def free_slots(self) -> int | None:
-        """Slots rows joining now may reserve (None: no limit but the rows)."""
-        return None
-
-    def reservation(self, slots: int) -> int:
-        """Slots a row that may hold `slots` slots takes from `free_slots`."""
-        return slots
-
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Row dst (reserved) starts with row src's first `length` slots."""
-        self.move_row(src, dst, length)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
@@ -240,7 +244,7 @@ class PagedKVCache(KVCache):
         return blocks_for(min(slots, self.max_len)) * BLOCK
 
     def reserve(self, row: int, slots: int) -> None:
-        need = blocks_for(min(slots, self.max_len))
+        need = self.reservation(slots) // BLOCK
         self.release(row)
         if need > len(self.free):
             raise RuntimeError(f"paged KV cache: row {row} needs {need} blocks, {len(self.free)} are free")

@@ -21,6 +21,7 @@ them do too (specdec/runner.py); on a GPU their size comes from a memory plan (s
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -278,8 +279,9 @@ class SpecEngine:
         longest rows reserve together. Rows join while blocks are free."""
         length = self.alloc_len(row_len)
         mean = sum(blocks_for(s) for s in slots) / len(slots)
+        least = self.pool_blocks(slots[:1])  # the longest row alone
         have = self._runners.get("target")
-        if have is not None and have.cache.max_len >= length and have.cache.blocks >= self.pool_blocks(slots[:1]):
+        if have is not None and have.cache.max_len >= length and have.cache.blocks >= least:
             keep = plan.need(have.cache.rows, have.cache.max_len, min(want, have.cache.rows), row_len, prompt,
                              pool=have.cache.blocks * BLOCK)
             if plan.fits(keep):  # the current caches, and their captured steps
@@ -288,12 +290,13 @@ class SpecEngine:
         def need(rows: int, blocks: int) -> memory.Need:
             return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
 
+        @functools.cache
         def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
             return memory.largest(lambda b: plan.fits(need(rows, b)), self.pool_blocks(slots[:rows]))
 
-        rows = memory.largest(lambda r: pool(r) >= self.pool_blocks(slots[:1]) and pool(r) - 1 >= r * mean, want)
+        rows = memory.largest(lambda r: pool(r) >= least and pool(r) - 1 >= r * mean, want)
         if not rows:
-            raise plan.refuse(need(1, self.pool_blocks(slots[:1])), f"one row of {row_len} slots")
+            raise plan.refuse(need(1, least), f"one row of {row_len} slots")
         return need(rows, pool(rows))
 
     @property

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import BLOCK, model_kv_shape
+from .cache import blocks_for, model_kv_shape
 from .costmodel import pow2_at_least
 
 GiB = 1 << 30
@@ -198,7 +198,7 @@ class MemoryPlan:
         slots = rows * max_len if pool is None else pool
         kv = slots * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
         if pool is not None:
-            kv += len(self.roles) * 8 * rows * -(-max_len // BLOCK)
+            kv += len(self.roles) * 8 * rows * blocks_for(max_len)
         graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
                      for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
         if graphs:  # and the pool keeps the working memory of the widest step captured

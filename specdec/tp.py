@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import llama
-from .cache import RaggedKVCache
+from .cache import RaggedKVCache, WholeRows
 from .runner import ModelRunner
 from .shard import ShardedModel
 
@@ -213,7 +213,7 @@ class TPRunner:
         return self.call("step", tokens, positions, kv_len, last, slots, mask)
 
 
-class _Cache:
+class _Cache(WholeRows):
     """Rank 0's view of the group's KV caches: its own sizes; row moves happen on every rank."""
 
     def __init__(self, runner: TPRunner):
@@ -229,14 +229,3 @@ class _Cache:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._runner.call("move_slots", src, dst)
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        self.move_row(src, dst, length)  # dense rows: a copy is a move that keeps the source
-
-    def reserve(self, row: int, slots: int) -> None:
-        """Dense rows take nothing when they join."""
-
-    def release(self, row: int) -> None:
-        """... nor give anything back when they leave."""
-
-    def free_slots(self) -> None:
-        return None

@@ -146,8 +146,10 @@ def _reduce(rank: int, port: int, out) -> None:
                             timeout=datetime.timedelta(seconds=60))
     g = Group(rank, 2, torch.device("cpu"), 60)
     x = torch.tensor([1.0, 2.0 ** -9, 3.0])
-    out.put((rank, {str(dt): g.all_reduce(x.to(dt) * (rank + 1)) for dt in (torch.bfloat16, torch.float16,
-                                                                               torch.float32)}))
+    sums = {str(dt): g.all_reduce(x.to(dt) * (rank + 1)) for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    # plain values, not tensors: a tensor crosses the queue as a shared-memory handle the parent opens only
+    # after this process may have exited (then the handle's socket is gone)
+    out.put((rank, {k: (str(y.dtype), y.float().tolist()) for k, y in sums.items()}))
     dist.destroy_process_group()
 
 
@@ -169,9 +171,9 @@ def test_all_reduces_keep_bf16_and_sum_float16_in_float32():
         p.join(60)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         for r in range(2):
-            y = got[r][str(dt)]
-            assert y.dtype == dt
-            torch.testing.assert_close(y.float(), (torch.tensor([1.0, 2.0 ** -9, 3.0]).to(dt) * 3).float())
+            dtype, y = got[r][str(dt)]
+            assert dtype == str(dt)
+            torch.testing.assert_close(torch.tensor(y), (torch.tensor([1.0, 2.0 ** -9, 3.0]).to(dt) * 3).float())
 
 
 def test_one_process_commands_refuse_a_tensor_parallel_target(tmp_path, tiny_pair, capsys):

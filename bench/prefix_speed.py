@@ -1,7 +1,7 @@
 """Prefix caching on a synthesis-shaped job: one long shared instruction, a short input per row.
 
     python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2]
-        [--methods none,draft_model,aasd] [--prompts synthesis|chat]
+        [--methods none,draft_model,aasd] [--prompts synthesis|chat] [--budget-gib G]
 
 Every row is the chat template over a ~1,000-token system prompt (a data-synthesis brief with worked examples,
 written for this benchmark) and a one-line user input; `--prompts chat`: held-out chat prompts instead
@@ -10,6 +10,11 @@ little is shared. For each method and batch size, the same engine settings run w
 `prefix_caching` off and on, alternating over the repeats (the store emptied before each timed run, so the first
 rows pay their prefill), in one process: prints tokens/s, the ratio on/off (median and range over the repeats),
 prompt tokens computed and reused, and whether the outputs are the same tokens.
+
+`--budget-gib G`: the engines get device figures whose memory plan has G GiB for caches and activations (as
+tests/test_memory.py drives the plan on a CPU), so batches are sized as on a GPU; a third run, `on, no hold`, is
+prefix caching as it was before 2026-11-27, when the plan held no room for the prefixes rows share (the store took
+only what the rows left). The `rows` column is the batch the plan gave.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair, sync  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
+from specdec import memory  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 
@@ -112,6 +118,7 @@ def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
     sync(eng.device)
     wall = time.perf_counter() - t
     return {"tok_s": sum(r.generated_tokens for r in res) / wall, "prompt": sum(r.prompt_tokens for r in res),
+            "rows": eng.need.batch if eng.need is not None else min(eng.batch_size, len(ids)),
             "reused": sum(r.cached_prompt_tokens for r in res), "tokens": [r.token_ids for r in res]}
 
 
@@ -127,6 +134,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", default="none,draft_model", help="methods, or aasd: prompt_lookup with "
                     "alignment_sampling 2 (its prefills keep the target's top ids with the stored blocks)")
+    ap.add_argument("--budget-gib", type=float, default=None, help="size batches by a memory plan of this budget")
     add_model_args(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -138,26 +146,33 @@ def main():
     lens = [len(p) for p in ids]
     print(f"# {args.rows} rows of {min(lens)}-{max(lens)} prompt tokens ({args.prompts} prompts), {args.max_new} new "
           f"tokens, greedy, {describe(pair)}")
-    print(f"{'method':12s} {'batch':>5s} {'caching':>7s} {'tok/s':>8s} {'on/off':>18s} {'prompt tok':>10s} "
-          f"{'computed':>9s} {'reused':>7s} {'same':>5s}")
+    print(f"{'method':12s} {'batch':>5s} {'caching':>11s} {'rows':>4s} {'tok/s':>8s} {'on/off':>18s} "
+          f"{'prompt tok':>10s} {'computed':>9s} {'reused':>7s} {'same':>5s}")
+    variants = ["off", "on"] + (["on, no hold"] if args.budget_gib else [])
     for method, batch in [(m, int(b)) for m in args.methods.split(",") for b in args.batches.split(",")]:
         spec = SpecConfig(**ALIASES.get(method, {"method": method}))
-        engines = {on: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec,
-                                  batch_size=batch, prefix_caching=on) for on in (False, True)}
-        for eng in engines.values():
+        engines = {v: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec,
+                                 batch_size=batch, prefix_caching=v != "off") for v in variants}
+        for v, eng in engines.items():
+            if args.budget_gib:
+                total, budget = 80 * memory.GiB, int(args.budget_gib * memory.GiB)
+                eng.device_memory = lambda e=eng: (int((1 - e.gpu_memory_fraction) * total) + budget + memory.GiB // 2,
+                                                   total)
+            if v == "on, no hold":
+                eng.prefix_room = lambda *a: 0
             eng.measure_costs()
             eng.generate(ids[:2])  # warm: kernels, allocator, cache sizes
-        runs = {False: [], True: []}
+        runs = {v: [] for v in variants}
         for _ in range(args.repeats):
-            for on in (False, True):
-                runs[on].append(timed(engines[on], ids))
-        ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[True], runs[False])]
-        for on in (False, True):
-            r = runs[on][-1]
-            same = sum(a == b for a, b in zip(r["tokens"], runs[False][-1]["tokens"]))
-            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if on else ""
-            print(f"{method:12s} {batch:5d} {'on' if on else 'off':>7s} "
-                  f"{statistics.median(x['tok_s'] for x in runs[on]):8.1f} "
+            for v in variants:
+                runs[v].append(timed(engines[v], ids))
+        for v in variants:
+            r = runs[v][-1]
+            same = sum(a == b for a, b in zip(r["tokens"], runs["off"][-1]["tokens"]))
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[v], runs["off"])]
+            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if v != "off" else ""
+            speed = statistics.median(x["tok_s"] for x in runs[v])
+            print(f"{method:12s} {batch:5d} {v:>11s} {r['rows']:4d} {speed:8.1f} "
                   f"{ratio:>18s} {r['prompt']:10d} {r['prompt'] - r['reused']:9d} {r['reused']:7d} "
                   f"{same:>2d}/{len(ids)}")
 

@@ -34,7 +34,7 @@ from .cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_byte
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, VerifyWidths
-from .prefix import Prefixes, admission_order
+from .prefix import Prefixes, admission_order, shared_tokens
 from .grammar import Constraints, GrammarError, Grammars
 from .models import ModelPair
 from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
@@ -391,7 +391,16 @@ class SpecEngine:
             longest = max(len(requests[i].prompt) for i in todo)
             slots = sorted((self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo),
                            reverse=True)
-            self.need = need = self.sizes(want, max_len, longest, plan, slots)
+            if plan is not None:
+                plan.held = self.prefix_room(plan, requests, todo, want)
+            try:
+                need = self.sizes(want, max_len, longest, plan, slots)
+            except memory.OutOfMemoryPlan:
+                if plan is None or not plan.held:
+                    raise
+                plan.held = 0  # not one row fits beside the shared prefixes: rows come first
+                need = self.sizes(want, max_len, longest, plan, slots)
+            self.need = need
             blocks = self.pool_blocks(slots[:want])  # a paged pool for the longest rows at once
             if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
                 blocks = need.pool // BLOCK if need.pool else blocks
@@ -400,14 +409,27 @@ class SpecEngine:
                         (need.rows, need.max_len, blocks):
                     self._allocate(need.rows, need.max_len, blocks)
                 want = need.batch
-                if self.prefix is not None:  # the prefixes keep what the batch leaves of the plan
-                    self.prefix.limit(max(0, plan.budget - need.total))
+                if self.prefix is not None:  # the prefixes keep what was held for them and what the batch leaves
+                    self.prefix.limit(max(0, plan.budget - need.total) + plan.held)
             batch = self.new_batch(want, max_len, policy, blocks)
             batch.prefixes = self.prefix
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
+
+    def prefix_room(self, plan: memory.MemoryPlan, requests: list[Request], todo: list[int], rows: int) -> int:
+        """Bytes the plan holds back from the rows for the prefix store: the prefixes that the prompts of rows running
+        together share (`shared_tokens` over the admission order `todo`, a prompt's samples counted once), at most a
+        quarter of the budget and the store's own. Without them, a batch that the memory bounds would leave the store
+        nothing, and every row would compute a shared instruction again."""
+        if self.prefix is None:
+            return 0
+        prompts: dict[int, list[int]] = {}  # a prompt per group, in admission order
+        for i in todo:
+            prompts.setdefault(requests[i].group, requests[i].prompt)
+        tokens = shared_tokens(list(prompts.values()), rows, self.prefix.block)
+        return min(tokens * self.prefix.per_token, max(0, plan.budget) // 4, self.prefix.budget)
 
     def admission_order(self, requests: list[Request], todo: list[int]) -> list[int]:
         """The order rows are admitted in. Longest first: similar lengths run together and the long tail does not

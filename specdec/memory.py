@@ -15,6 +15,7 @@ allocation replaces them):
   first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), the draft's
   catch-up of whole rows (rows that joined while the policy did not draft), and a round: one step, and the
   float32 work on the draft's and the target's distributions;
+- `held`: room kept for the prefix store, the prefixes a batch's rows share (`SpecEngine.prefix_room`);
 - `slack` for what is neither: the allocator's rounding, and the cuBLAS workspaces torch keeps for each stream
   that runs a matmul (`STREAM_WORKSPACE` each; two streams: the default one, and the one captures run on).
 A batch that does not fit runs with fewer rows; a config whose one row of a one-token prompt does not fit is
@@ -184,12 +185,13 @@ class MemoryPlan:
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/cache.py): attention gathers what it reads
+    held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (SpecEngine.generate)
     slack: int = GiB // 2
 
     @property
     def budget(self) -> int:
         """Bytes the caches, captured steps and activations may take."""
-        return int(self.fraction * self.total) - self.used - self.slack
+        return int(self.fraction * self.total) - self.used - self.slack - self.held
 
     def need(self, rows: int, max_len: int, batch: int, row_len: int, prompt: int, pool: int | None = None) -> Need:
         """What caches of `rows` rows x `max_len` slots take with a batch of `batch` rows of up to `row_len` slots

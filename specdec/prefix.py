@@ -16,7 +16,7 @@ compute, up to the rounding of a different batch shape.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,17 +51,11 @@ class PrefixStore:
         self.nbytes = 0
 
     def _key(self, parent: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+        return block_key(parent, tokens)
 
     def chain(self, tokens: Sequence[int], limit: int) -> list[tuple[int, tuple[int, ...], int | None]]:
         """(key, tokens, parent key) of each full block in the first `limit` tokens, in order."""
-        out, parent = [], None
-        for start in range(0, limit - self.block + 1, self.block):
-            chunk = tuple(tokens[start:start + self.block])
-            key = self._key(parent, chunk)
-            out.append((key, chunk, parent))
-            parent = key
-        return out
+        return chain(tokens, limit, self.block, self._key)
 
     def match(self, tokens: Sequence[int], limit: int, top_ids: int = 0) -> list[int]:
         """Keys of the stored blocks that begin `tokens`, as many as fit in its first `limit` tokens (with `top_ids`:
@@ -151,6 +145,44 @@ class PrefixStore:
         self.nbytes = 0
 
 
+def block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """A block's key: its parent's key and its tokens hashed, so that it stands for the whole prefix to its end."""
+    return hash((parent, tokens))
+
+
+def chain(tokens: Sequence[int], limit: int, block: int,
+          key_of=block_key) -> list[tuple[int, tuple[int, ...], int | None]]:
+    """(key, tokens, parent key) of each full `block`-token block in the first `limit` tokens, in order."""
+    out, parent = [], None
+    for start in range(0, limit - block + 1, block):
+        chunk = tuple(tokens[start:start + block])
+        key = key_of(parent, chunk)
+        out.append((key, chunk, parent))
+        parent = key
+    return out
+
+
+def shared_tokens(prompts: Sequence[Sequence[int]], rows: int, block: int) -> int:
+    """The most prompt tokens (whole blocks within what a prefill caches) that some `rows` consecutive prompts, in
+    admission order, share with another of them, each shared block counted once: what a prefix store holds for rows
+    that run together to reuse the prefixes they share (a synthesis job's instruction: its length)."""
+    window: deque[list[int]] = deque()
+    count: Counter[int] = Counter()
+    shared = most = 0
+    for prompt in prompts:
+        keys = [key for key, _, _ in chain(prompt, len(prompt) - 1, block)]
+        window.append(keys)
+        for key in keys:
+            count[key] += 1
+            shared += count[key] == 2
+        if len(window) > rows:
+            for key in window.popleft():
+                count[key] -= 1
+                shared -= count[key] == 1
+        most = max(most, shared)
+    return most * block
+
+
 def admission_order(prompts: Sequence[Sequence[int]], span: int) -> list[int]:
     """Indices of `prompts` in the order their rows are admitted: rows whose first `span` tokens are the same (a
     shared instruction, a template's fixed text, one prompt's samples) run together, so that their prefix is computed
@@ -171,6 +203,7 @@ class Prefixes:
     def __init__(self, budget: int, per_token: dict[str, int], block: int = 16):
         self.budget = budget  # the most bytes (`limit` may lower it for a while)
         self.block = block
+        self.per_token = sum(per_token.values())  # bytes a token takes in all the stores
         self.shares = {name: size / (sum(per_token.values()) or 1) for name, size in per_token.items()}
         self.stores = {name: PrefixStore(int(budget * share), block) for name, share in self.shares.items()}
 

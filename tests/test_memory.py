@@ -226,6 +226,29 @@ def test_a_batch_that_does_not_fit_runs_with_fewer_rows(models, kept_graphs):
     assert 0 < eng.prefix.nbytes <= plan.budget - eng.need.total
 
 
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_a_batch_the_memory_bounds_still_keeps_the_prefix_its_rows_share(models, kept_graphs, kv_cache):
+    """Eight rows that share a 200-token instruction, under a budget that 3 rows of them take whole: the plan holds
+    back room for the shared blocks (one copy, in each model's store), so every row after the first reuses them
+    (without it the store got nothing and every row computed the instruction again); fewer rows run at once, within
+    the budget, with the output of an unconstrained run."""
+    shared = prompts_of([200])[0]
+    prompts = [shared + [250 + i, 7, 9] for i in range(8)]
+    free = make_engine(models, bs=8, kv_cache=kv_cache)
+    ref = [r.token_ids for r in free.generate(prompts)]
+    plan, row = free.memory_plan(), free.row_tokens(len(prompts[0]))
+    budget = plan.need(3, free.alloc_len(row), 3, row, len(prompts[0])).total + 1000
+    eng = make_engine(models, bs=8, kv_cache=kv_cache, figures=(budget + plan.slack, 1 << 40))
+    eng.gpu_memory_fraction = 1.0
+    plan = eng.memory_plan()
+    with Peak() as peak:
+        out = eng.generate(prompts)
+    assert [r.token_ids for r in out] == ref
+    assert [r.cached_prompt_tokens for r in out] == [0] + [192] * 7  # whole 16-token blocks of the instruction
+    assert eng.prefix.nbytes == 192 * eng.prefix.per_token
+    assert 1 <= eng.need.batch < 8 and peak.peak <= plan.budget
+
+
 def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_graphs, monkeypatch):
     """Mixed lengths under a budget that fits 2 dense rows (every row sized for the longest): the paged cache's
     pool holds the short rows' own slots, so twice the rows run at once, within the budget, with the same output,

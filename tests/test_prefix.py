@@ -333,6 +333,19 @@ def test_admission_runs_rows_of_one_prefix_together_longest_cluster_first():
     assert admission_order(prompts, 8) == [4, 1, 2, 0, 5, 3]
 
 
+def test_the_shared_tokens_are_the_most_blocks_rows_running_together_share():
+    from specdec.prefix import shared_tokens
+
+    a, b = list(range(40)), list(range(100, 200))  # 2 whole 16-token blocks, and 6
+    prompts = [a + [i] for i in range(3)] + [b + [i] for i in range(3)] + [[7] * 50]
+    assert shared_tokens(prompts, 3, 16) == 96  # b's instruction, counted once
+    assert shared_tokens(prompts, 2, 16) == 96
+    assert shared_tokens(prompts, 7, 16) == 32 + 96  # both run together
+    assert shared_tokens(prompts, 1, 16) == 0  # a row alone shares nothing
+    assert shared_tokens([b + [0], [9] * 20 + b], 2, 16) == 0  # the same text past the first block is no prefix
+    assert shared_tokens([a[:32], a[:32]], 2, 16) == 16  # within what a prefill caches (all but the last token)
+
+
 def test_rows_of_two_instructions_each_compute_theirs_once_when_the_store_holds_one(target):
     """Rows of two 144-token instructions, interleaved by length (longest first would alternate them), a store that
     holds one instruction's blocks: the rows of one instruction run together, so each instruction is computed once

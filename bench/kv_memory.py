@@ -3,6 +3,7 @@ budget admits: dense rows with the allocation rule of today and the power-of-two
 the paged cache (`resources.kv_cache: paged`, 2026-11-27).
 
     python bench/kv_memory.py [--rows 256] [--min-len 50] [--max-len 2000] [--max-new 64] [--budget-gib 4]
+        [--shapes llama-8b]
 
 Prompt lengths are drawn uniformly from [min-len, max-len] (seeded). The real pair's engine (`method:
 draft_model`, both caches) is given device figures whose budget is `--budget-gib` (as the tests drive the plan on
@@ -12,7 +13,9 @@ admission, longest first) and for a batch of rows of the mean length (later admi
 cache's rows are those its pool holds at once (each row reserves its prompt, `max_new` and the draft's slack, in
 16-slot blocks), within the rows its memory plan gives steps and activations for. Nothing
 runs on the models: these are the engine's own sizing decisions, which tests/test_memory.py holds to the measured
-allocation.
+allocation. `--shapes llama-8b`: the pair is Llama-3.1-8B's shape with Llama-3.2-1B's as the draft, bfloat16, built on
+torch's meta device (shapes, no weights): the sizing a GPU job of that pair would get (on a GPU the captured steps
+also keep their outputs, which this does not count).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 import random
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
 
@@ -30,6 +35,18 @@ from specdec.cache import BLOCK, blocks_for  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.costmodel import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
+from specdec.models import ModelPair  # noqa: E402
+
+
+def meta_llama(layers: int, d: int, heads: int, kv_heads: int, intermediate: int):
+    """A Llama of these sizes and Llama 3's vocabulary on the meta device, bfloat16: its shapes, no weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=131072,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
 
 
 def pow2_rule(eng: SpecEngine):
@@ -44,9 +61,14 @@ def main():
     ap.add_argument("--max-len", type=int, default=2000)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--budget-gib", type=float, default=4.0)
+    ap.add_argument("--shapes", choices=("real", "llama-8b"), default="real",
+                    help="llama-8b: Llama-3.1-8B with Llama-3.2-1B's shape as the draft, bf16, no weights")
     add_model_args(ap)
     args = ap.parse_args()
-    pair = load_bench_pair(args)
+    if args.shapes == "llama-8b":
+        pair = ModelPair(meta_llama(32, 4096, 32, 8, 14336), meta_llama(16, 2048, 32, 8, 8192), None, (), 128256)
+    else:
+        pair = load_bench_pair(args)
     rng = random.Random(0)
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
     engines = {layout: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method="draft_model"),
@@ -63,7 +85,8 @@ def main():
     longest = sorted(lengths, reverse=True)
     mean = sum(lengths) / len(lengths)
     print(f"# {args.rows} prompts of {args.min_len}-{args.max_len} tokens (mean {mean:.0f}), {args.max_new} new, "
-          f"KV budget {args.budget_gib} GiB, {per_token} KV bytes per token (both models), {describe(pair)}")
+          f"KV budget {args.budget_gib} GiB, {per_token} KV bytes per token (both models), "
+          + ("Llama-3.1-8B / Llama-3.2-1B shapes, meta device, bfloat16" if args.shapes == "llama-8b" else describe(pair)))
     print(f"{'rule':12s} {'slots/row':>9s} {'rows':>5s} {'KV GiB':>7s} {'alloc/held, longest':>20s} "
           f"{'alloc/held, mean':>17s} {'rows, mean':>10s}")
     rules = {"power of 2": pow2_rule(eng), "today": eng.alloc_len}

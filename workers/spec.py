@@ -51,8 +51,9 @@ class ResourcesSpec(Config):
                                  "first 128 tokens together: the same tokens either way",
                                  json_schema_extra=NEUTRAL)
     prefix_cache_gib: float = Field(1.0, ge=0, description="most memory the kept prefixes take on a worker's device "
-                                    "(least recently used evicted first); on a GPU it is set aside within "
-                                    "`gpu_memory_fraction`", json_schema_extra=NEUTRAL)
+                                    "(least recently used evicted first); on a GPU, within `gpu_memory_fraction`: "
+                                    "what the batch's rows leave, and room held back from them for the prefixes "
+                                    "they share (at most a quarter)", json_schema_extra=NEUTRAL)
     prefill_chunk: int | None = Field(2048, ge=1, description="most prompt tokens (rows x tokens) one prefill "
                                       "forward takes, so that admitting many long prompts neither spikes memory "
                                       "nor needs room for them all at once (the GPU memory plan counts one chunk); "

@@ -122,11 +122,6 @@ def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
             "reused": sum(r.cached_prompt_tokens for r in res), "tokens": [r.token_ids for r in res]}
 
 
-def held(eng: SpecEngine) -> int:
-    """Bytes the engine's caches and kept prefixes take (on a CPU there are no captured steps)."""
-    return sum(r.cache.nbytes() for r in eng._runners.values()) + (eng.prefix.nbytes if eng.prefix else 0)
-
-
 ALIASES = {"aasd": {"method": "prompt_lookup", "prompt_lookup": {"alignment_sampling": 2}}}
 
 
@@ -162,7 +157,7 @@ def main():
             if args.budget_gib:  # a device whose free memory the engine's caches and kept prefixes take from
                 total, budget = 80 * memory.GiB, int(args.budget_gib * memory.GiB)
                 free = int((1 - eng.gpu_memory_fraction) * total) + budget + memory.GiB // 2
-                eng.device_memory = lambda e=eng, free=free: (free - held(e), total)
+                eng.device_memory = lambda e=eng, free=free: (free - e.resident_bytes(), total)
             if v == "on, no hold":
                 eng.prefix_room = lambda *a: 0
             eng.measure_costs()

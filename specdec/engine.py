@@ -168,13 +168,13 @@ class SpecEngine:
         return head.weight[:rows], bias[:rows] if bias is not None else None
 
     def memory_plan(self) -> memory.MemoryPlan | None:
-        """The GPU memory plan (None on CPU: `device_memory` gives no figures), counting the engine's current caches
-        and captured steps as free (a new allocation replaces them)."""
+        """The GPU memory plan (None on CPU: `device_memory` gives no figures), counting the engine's current caches,
+        captured steps and kept prefixes as free (a new allocation replaces them; prefixes yield to rows)."""
         figures = self.device_memory()
         if figures is None:
             return None
         free, total = figures
-        freed = sum(r.cache.nbytes() + _graph_bytes(r) for r in self._runners.values())
+        freed = self.resident_bytes()
         roles = []
         for name, model in self._models().items():
             tp = name == "target" and self.pair.tp is not None
@@ -182,11 +182,15 @@ class SpecEngine:
             graphs = lean and (self.step_graphs if self.step_graphs is not None else self.device.type == "cuda")
             vocab = self.vocab_size if tp else self.output_head(name)[0].shape[0]
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
-        freed += self.prefix.nbytes if self.prefix is not None else 0  # kept prefixes yield to rows
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
                                  additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
                                  paged=self.kv_cache == "paged")
+
+    def resident_bytes(self) -> int:
+        """Device bytes the engine holds between generate() calls: its caches, captured steps and kept prefixes."""
+        return (sum(r.cache.nbytes() + _graph_bytes(r) for r in self._runners.values())
+                + (self.prefix.nbytes if self.prefix is not None else 0))
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""

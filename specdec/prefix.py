@@ -204,7 +204,7 @@ class Prefixes:
         self.budget = budget  # the most bytes (`limit` may lower it for a while)
         self.block = block
         self.per_token = sum(per_token.values())  # bytes a token takes in all the stores
-        self.shares = {name: size / (sum(per_token.values()) or 1) for name, size in per_token.items()}
+        self.shares = {name: size / (self.per_token or 1) for name, size in per_token.items()}
         self.stores = {name: PrefixStore(int(budget * share), block) for name, share in self.shares.items()}
 
     def limit(self, room: int) -> None:

@@ -71,25 +71,32 @@ class Slots:
             cache.release(row)
         self._caches.append((cache, length))
 
-    def admit(self, start: int, end: int, slots: list[int] | None = None) -> None:
+    def admit(self, start: int, end: int, slots: list[int] | None = None,
+              prompts: list[list[int]] | None = None) -> None:
         """Rows [start, end) are new: every entry starts at its fill value, and each row reserves `slots[i]` slots
-        of every cache (None: its whole row)."""
+        of every cache (None: its whole row), sharing what a cache's prefix store holds of `prompts[i]`."""
         for values, fill in self._values.values():
             values[start:end] = fill
         for objects, _ in self._objects.values():
             objects[start:end] = [None] * (end - start)
         for cache, _ in self._caches:
-            for i, row in enumerate(range(start, end)):
-                cache.reserve(row, cache.max_len if slots is None else slots[i])
+            cache.reserve_rows(list(range(start, end)), [cache.max_len] * (end - start) if slots is None else slots,
+                               prompts)
 
-    def room(self, slots: list[int]) -> int:
-        """How many rows of `slots` slots each (in this order) every cache has room for now."""
+    def room(self, slots: list[int], prompts: list[list[int]] | None = None) -> int:
+        """How many rows of `slots` slots each (in this order; `prompts`: their tokens) every cache has room for
+        now."""
         fits = len(slots)
+        prompts = prompts or [None] * len(slots)
         for cache, _ in self._caches:
             free = cache.free_slots()
-            if free is not None:
-                taken = np.cumsum([cache.reservation(s) for s in slots])
-                fits = min(fits, int(np.searchsorted(taken, free, side="right")))
+            if free is None:
+                continue
+            for i in range(fits):  # the rows in order, as long as they fit (no lookups past the first that does not)
+                free -= cache.reservation(slots[i], prompts[i])
+                if free < 0:
+                    fits = i
+                    break
         return fits
 
     def move(self, src: int, dst: int) -> None:
@@ -214,7 +221,8 @@ class Batch:
     def write_rows(self, start: int, rows: list[Row]) -> None:
         """Rows [start, start + len(rows)) are new, active, and hold these rows' tokens (one copy to the device)."""
         end, t = start + len(rows), max(len(r.tokens) for r in rows)
-        self.slots.admit(start, end, [self.row_slots(len(r.tokens), r.sp.max_new_tokens) for r in rows])
+        self.slots.admit(start, end, [self.row_slots(len(r.tokens), r.sp.max_new_tokens) for r in rows],
+                         [r.tokens for r in rows])
         tokens = np.zeros((len(rows), t), dtype=np.int64)
         for i, (slot, row) in enumerate(zip(range(start, end), rows)):
             tokens[i, : len(row.tokens)] = row.tokens
@@ -228,11 +236,11 @@ class Batch:
         """Cache slots a row of a `prompt`-token prompt and `max_new` new tokens may come to hold."""
         return self.max_len if self.slack is None else min(self.max_len, prompt + max_new + self.slack)
 
-    def room(self, rows: list[tuple[int, int]]) -> int:
-        """How many of these rows ((prompt tokens, max_new_tokens), in order) the caches have room for now, within
-        the batch's free rows."""
+    def room(self, rows: list[tuple[list[int], int]]) -> int:
+        """How many of these rows ((prompt, max_new_tokens), in order) the caches have room for now, within the
+        batch's free rows."""
         rows = rows[: self.capacity - self.n]
-        return self.slots.room([self.row_slots(p, m) for p, m in rows])
+        return self.slots.room([self.row_slots(len(p), m) for p, m in rows], [p for p, _ in rows])
 
     def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft",
                 done: np.ndarray | None = None) -> np.ndarray:
@@ -267,7 +275,8 @@ class Batch:
                     reused[i] = store.load(runner.cache, slot, keys)
                     if top_ids:
                         ids[i, : reused[i]] = store.top_ids(keys, top_ids)
-        done = np.maximum(have, reused)
+        held = [runner.cache.held_slots(slot) for slot in range(start, end)]  # shared since they joined: not written
+        done = np.maximum(np.maximum(have, reused), held)
         computed = self.forwards(runner, start, done, cached, top_ids)
         if computed is not None:  # row i's computed ids begin at its position done[i]
             computed = computed.cpu().numpy()

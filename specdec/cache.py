@@ -14,7 +14,10 @@ across `generate()` calls, specdec/runner.py).
   come to hold when it joins (its prompt, `max_new_tokens` and the draft's slack), so no row ever waits for a
   block mid-round, and `release`s them when it leaves. Table entries a row does not own point at block 0, a
   scratch block that padding writes into and that is always masked. Attention reads the window's blocks gathered
-  into rows (SDPA over gathered blocks).
+  into rows (SDPA over gathered blocks). Whole blocks of slots no row writes again (a prompt's cached prefix) are
+  shared by reference: a block counts its holders (rows, and the prefix store, specdec/prefix.py, that `pin`s it)
+  and is free when none is left; a prompt's samples (`copy_row`) and rows whose prefix the store holds take such
+  blocks instead of copies, and a row reserves only the blocks it writes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class WholeRows:
     def reserve(self, row: int, slots: int) -> None:
         """Row `row` joins and may come to hold `slots` slots."""
 
+    def reserve_rows(self, rows: list[int], slots: list[int], prompts: list[list[int]] | None = None) -> None:
+        """Rows `rows` join, row rows[i] to hold up to slots[i] slots (`prompts`: their tokens)."""
+        for row, n in zip(rows, slots):
+            self.reserve(row, n)
+
     def release(self, row: int) -> None:
         """Row `row` leaves: what it holds is free."""
 
@@ -70,9 +78,13 @@ class WholeRows:
         """Slots rows joining now may reserve (None: no limit but the rows)."""
         return None
 
-    def reservation(self, slots: int) -> int:
-        """Slots a row that may hold `slots` slots takes from `free_slots`."""
+    def reservation(self, slots: int, prompt: list[int] | None = None) -> int:
+        """Slots a row that may hold `slots` slots (`prompt`: its tokens) takes from `free_slots`."""
         return slots
+
+    def held_slots(self, row: int) -> int:
+        """Slots of row `row` it holds by reference from its first (written by others; it writes none of them)."""
+        return 0
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Row dst (reserved) starts with row src's first `length` slots."""
@@ -200,7 +212,9 @@ class _PagedView(KVView):
 
 
 class PagedKVCache(KVCache):
-    """A pool of `blocks` blocks of `BLOCK` slots per layer (block 0: scratch) and a block table per row."""
+    """A pool of `blocks` blocks of `BLOCK` slots per layer (block 0: scratch) and a block table per row. A block
+    counts its holders: the rows whose table points at it, and the prefix store (`pin`); it is free when none is
+    left. A row writes only the blocks after the ones it holds by reference (`held_slots`)."""
 
     def __init__(self, model, rows: int, max_len: int, blocks: int):
         super().__init__(model, rows, max_len)
@@ -212,7 +226,10 @@ class PagedKVCache(KVCache):
         self.blocks = blocks
         self.table = torch.zeros((rows, blocks_for(max_len)), dtype=torch.int64, device=self.device)
         self.owned: list[list[int]] = [[] for _ in range(rows)]  # host: each row's blocks, in slot order
+        self.shared = [0] * rows  # host: how many of a row's first blocks it holds by reference
+        self.refs = [0] * blocks  # host: each block's holders
         self.free = list(range(blocks - 1, 0, -1))  # host: free blocks (popped from the end)
+        self.prefix = None  # the prefix store whose pinned blocks joining rows share or reclaim (PrefixStore.attach)
 
     def physical(self, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Pool slots of logical `slots` [n, t] of the rows whose table rows are `table` [n, columns]."""
@@ -238,24 +255,80 @@ class PagedKVCache(KVCache):
 
     # -- blocks of rows ---------------------------------------------------------------------------
     def free_slots(self) -> int:
-        return len(self.free) * BLOCK
+        """Free blocks' slots, and those of blocks only the prefix store holds (rows reclaim them)."""
+        return (len(self.free) + (self.prefix.idle_blocks() if self.prefix is not None else 0)) * BLOCK
 
-    def reservation(self, slots: int) -> int:
-        return blocks_for(min(slots, self.max_len)) * BLOCK
+    def _lookup(self, prompt: list[int] | None) -> list[int]:
+        """The blocks the prefix store holds of a joining row's prompt (none without a store or a prompt)."""
+        return [] if self.prefix is None or prompt is None else self.prefix.lookup(prompt)
+
+    def reservation(self, slots: int, prompt: list[int] | None = None) -> int:
+        """A row's own blocks' slots, and those of the blocks it shares that only the store holds now (they stop
+        being reclaimable; counted for each row that shares them, which can only over-count)."""
+        shared = self._lookup(prompt)
+        idle = sum(self.refs[b] == 1 for b in shared)
+        return (blocks_for(min(slots, self.max_len)) - len(shared) + idle) * BLOCK
 
     def reserve(self, row: int, slots: int) -> None:
-        need = self.reservation(slots) // BLOCK
-        self.release(row)
-        if need > len(self.free):
-            raise RuntimeError(f"paged KV cache: row {row} needs {need} blocks, {len(self.free)} are free")
-        self.owned[row] = [self.free.pop() for _ in range(need)]
-        self._set(row)
+        self.reserve_rows([row], [slots])
+
+    def reserve_rows(self, rows: list[int], slots: list[int], prompts: list[list[int]] | None = None) -> None:
+        """Each row first takes the blocks the prefix store holds of its prompt (so that no row's reservation
+        reclaims them), then blocks of its own for the rest of its slots."""
+        prompts = prompts or [None] * len(rows)
+        for row, prompt in zip(rows, prompts):
+            self.release(row)
+            self._adopt(row, self._lookup(prompt))
+        for row, n in zip(rows, slots):
+            need = blocks_for(min(n, self.max_len)) - len(self.owned[row])
+            if need > len(self.free) and self.prefix is not None:
+                self.prefix.reclaim(need - len(self.free))
+            if need > len(self.free):
+                raise RuntimeError(f"paged KV cache: row {row} needs {need} blocks, {len(self.free)} are free")
+            for _ in range(need):
+                block = self.free.pop()
+                self.refs[block] = 1
+                self.owned[row].append(block)
+            self._set(row)
 
     def release(self, row: int) -> None:
         if self.owned[row]:
-            self.free.extend(reversed(self.owned[row]))
-            self.owned[row] = []
+            for block in reversed(self.owned[row]):
+                self.unpin(block)
+            self.owned[row], self.shared[row] = [], 0
             self.table[row] = 0
+
+    def held_slots(self, row: int) -> int:
+        return self.shared[row] * BLOCK
+
+    def pin(self, block: int) -> None:
+        """One more holder of `block` (the prefix store keeps it)."""
+        self.refs[block] += 1
+
+    def unpin(self, block: int) -> None:
+        """One holder fewer: a block none holds is free."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self.free.append(block)
+
+    def adopt(self, row: int, blocks: list[int]) -> None:
+        """Row `row`'s first blocks become `blocks` (whole blocks of its prompt that others hold: its own ones for
+        those slots are given back); from now on it writes none of them."""
+        self._adopt(row, blocks)
+        self._set(row)
+
+    def _adopt(self, row: int, blocks: list[int]) -> None:
+        owned = self.owned[row]
+        for j, block in enumerate(blocks):
+            if j < len(owned) and owned[j] == block:
+                continue
+            self.pin(block)
+            if j < len(owned):
+                self.unpin(owned[j])
+                owned[j] = block
+            else:
+                owned.append(block)
+        self.shared[row] = max(self.shared[row], len(blocks))
 
     def _set(self, row: int) -> None:
         entries = torch.zeros(self.table.shape[1], dtype=torch.int64)
@@ -268,12 +341,20 @@ class PagedKVCache(KVCache):
             return
         self.release(dst)
         self.owned[dst], self.owned[src] = self.owned[src], []
+        self.shared[dst], self.shared[src] = self.shared[src], 0
         self.table[dst] = self.table[src]
         self.table[src] = 0
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
-        if src != dst and length > 0:
-            at_src, at_dst = self._row_slots(src, 0, length), self._row_slots(dst, 0, length)
+        """Row dst (reserved) shares row src's whole blocks among its first `length` slots (neither writes them
+        again) and copies the slots of the last, partial one."""
+        if src == dst or length <= 0:
+            return
+        whole = length // BLOCK
+        self.adopt(dst, self.owned[src][:whole])
+        lo = self.shared[dst] * BLOCK
+        if lo < length:
+            at_src, at_dst = self._row_slots(src, lo, length), self._row_slots(dst, lo, length)
             for buf in (*self.k, *self.v):
                 buf[at_dst] = buf[at_src]
 
@@ -286,6 +367,10 @@ class PagedKVCache(KVCache):
 
     def nbytes(self) -> int:
         return super().nbytes() + self.table.numel() * self.table.element_size()
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes in every layer (keys and values)."""
+        return 2 * self.num_layers * BLOCK * self.kv_heads * self.head_dim * self.k[0].element_size()
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_byte
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .costmodel import CostModel, Profile, VerifyWidths
-from .prefix import Prefixes, admission_order, shared_tokens
+from .prefix import Prefixes, admission_order, shared_blocks, shared_tokens
 from .grammar import Constraints, GrammarError, Grammars
 from .models import ModelPair
 from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
@@ -69,7 +69,8 @@ class SpecEngine:
     for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
-    to hold (specdec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized)."""
+    to hold (specdec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
+    whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
@@ -190,7 +191,7 @@ class SpecEngine:
     def resident_bytes(self) -> int:
         """Device bytes the engine holds between generate() calls: its caches, captured steps and kept prefixes."""
         return (sum(r.cache.nbytes() + _graph_bytes(r) for r in self._runners.values())
-                + (self.prefix.nbytes if self.prefix is not None else 0))
+                + (self.prefix.device_bytes if self.prefix is not None else 0))
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
         """Cache slots a row of this prompt length needs (its output and the draft's slack included)."""
@@ -243,6 +244,8 @@ class SpecEngine:
         if max_len > self.max_positions:
             raise ValueError(f"{max_len} cache slots exceed the models' {self.max_positions} positions")
         self._runners.clear()
+        if self.prefix is not None:
+            self.prefix.detach()  # blocks pinned in the old pools go with them
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the old graphs' private pool goes back to the device
         for name, model in self._models().items():
@@ -256,16 +259,17 @@ class SpecEngine:
             self._runners[name] = runner
 
     def sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan | None,
-              slots: list[int] | None = None) -> memory.Need | None:
+              slots: list[int] | None = None, own: list[int] | None = None, shared: int = 0) -> memory.Need | None:
         """The caches (rows, slots; paged: the pool) to hold and the rows a batch may have (`batch`: up to `want`)
-        for rows of up to `row_len` slots whose prompts have up to `prompt` tokens (`slots`: each row's, for a
-        paged pool): the current caches, grown where too small, when the plan fits them, else the largest fresh
-        ones it fits (None without a plan: the current caches, grown). Raises `OutOfMemoryPlan` when not one row
-        fits."""
+        for rows of up to `row_len` slots whose prompts have up to `prompt` tokens (for a paged pool: `slots`, each
+        row's; `own`, the slots each writes, and `shared`, the blocks rows running together share): the current
+        caches, grown where too small, when the plan fits them, else the largest fresh ones it fits (None without a
+        plan: the current caches, grown). Raises `OutOfMemoryPlan` when not one row fits."""
         if plan is None:
             return None
         if self.kv_cache == "paged":
-            return self._paged_sizes(want, row_len, prompt, plan, sorted(slots or [row_len], reverse=True))
+            slots = sorted(slots or [row_len], reverse=True)
+            return self._paged_sizes(want, row_len, prompt, plan, slots, sorted(own or slots, reverse=True), shared)
         options = [lambda r: self._grown(r, row_len)[:2]]  # keep what the caches hold (their captured steps too)
         if self._runners:
             options.append(lambda r: (r, self.alloc_len(row_len)))  # or replace them by smaller ones
@@ -276,31 +280,34 @@ class SpecEngine:
         raise plan.refuse(plan.need(*options[-1](1), 1, row_len, prompt), f"one row of {row_len} slots")
 
     def _paged_sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan,
-                     slots: list[int]) -> memory.Need:
-        """Paged caches for rows of these `slots` (longest first): the current ones when the plan fits them and they
-        hold the longest row, else the most rows (up to `want`) whose steps and activations leave a pool for that many
-        rows of the mean reservation (and for the longest row), the pool taking what they leave, up to what the
-        longest rows reserve together. Rows join while blocks are free."""
+                     slots: list[int], own: list[int], shared: int) -> memory.Need:
+        """Paged caches for rows of these `slots` (longest first) that write `own` slots each (longest first) and
+        share `shared` blocks: the most rows (up to `want`) whose steps and activations leave a pool for the shared
+        blocks and that many rows of the mean own reservation (and for the longest row whole), the pool taking what
+        they leave, up to what the longest rows reserve together; or the current caches, when the plan fits them and
+        they have as many rows and blocks. Rows join while blocks are free."""
         length = self.alloc_len(row_len)
-        mean = sum(blocks_for(s) for s in slots) / len(slots)
+        mean = sum(blocks_for(s) for s in own) / len(own)
         least = self.pool_blocks(slots[:1])  # the longest row alone
-        have = self._runners.get("target")
-        if have is not None and have.cache.max_len >= length and have.cache.blocks >= least:
-            keep = plan.need(have.cache.rows, have.cache.max_len, min(want, have.cache.rows), row_len, prompt,
-                             pool=have.cache.blocks * BLOCK)
-            if plan.fits(keep):  # the current caches, and their captured steps
-                return keep
 
         def need(rows: int, blocks: int) -> memory.Need:
             return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
 
         @functools.cache
         def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
-            return memory.largest(lambda b: plan.fits(need(rows, b)), self.pool_blocks(slots[:rows]))
+            most = max(least, self.pool_blocks(own[:rows]) + shared)
+            return memory.largest(lambda b: plan.fits(need(rows, b)), most)
 
-        rows = memory.largest(lambda r: pool(r) >= least and pool(r) - 1 >= r * mean, want)
+        rows = memory.largest(lambda r: pool(r) >= least and pool(r) - 1 - shared >= r * mean, want)
         if not rows:
             raise plan.refuse(need(1, least), f"one row of {row_len} slots")
+        have = self._runners.get("target")
+        if have is not None and have.cache.max_len >= length and have.cache.rows >= rows \
+                and have.cache.blocks >= pool(rows):
+            keep = plan.need(have.cache.rows, have.cache.max_len, min(want, have.cache.rows), row_len, prompt,
+                             pool=have.cache.blocks * BLOCK)
+            if plan.fits(keep):  # the current caches hold as much, and keep their captured steps
+                return keep
         return need(rows, pool(rows))
 
     @property
@@ -395,15 +402,16 @@ class SpecEngine:
             longest = max(len(requests[i].prompt) for i in todo)
             slots = sorted((self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo),
                            reverse=True)
+            own, shared = self.pool_sharing(requests, todo, want)
             if plan is not None:
                 plan.held = self.prefix_room(plan, requests, todo, want)
             try:
-                need = self.sizes(want, max_len, longest, plan, slots)
+                need = self.sizes(want, max_len, longest, plan, slots, own, shared)
             except memory.OutOfMemoryPlan:
                 if plan is None or not plan.held:
                     raise
                 plan.held = 0  # not one row fits beside the shared prefixes: rows come first
-                need = self.sizes(want, max_len, longest, plan, slots)
+                need = self.sizes(want, max_len, longest, plan, slots, own, shared)
             self.need = need
             blocks = self.pool_blocks(slots[:want])  # a paged pool for the longest rows at once
             if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
@@ -413,10 +421,13 @@ class SpecEngine:
                         (need.rows, need.max_len, blocks):
                     self._allocate(need.rows, need.max_len, blocks)
                 want = need.batch
-                if self.prefix is not None:  # the prefixes keep what was held for them and what the batch leaves
+                if self.prefix is not None and not need.pool:  # the prefixes keep what was held and what rows leave
                     self.prefix.limit(max(0, plan.budget - need.total) + plan.held)
             batch = self.new_batch(want, max_len, policy, blocks)
             batch.prefixes = self.prefix
+            if self.prefix is not None:  # over a paged pool the stores pin its blocks (their budget is theirs)
+                self.prefix.attach({name: r.cache for name, r in self._runners.items()},
+                                   {"target": batch.proposer.prompt_top_ids})
             if any(requests[i].sp.grammar is not None for i in todo):
                 batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
@@ -427,13 +438,24 @@ class SpecEngine:
         together share (`shared_tokens` over the admission order `todo`, a prompt's samples counted once), at most a
         quarter of the budget and the store's own. Without them, a batch that the memory bounds would leave the store
         nothing, and every row would compute a shared instruction again."""
-        if self.prefix is None:
+        if self.prefix is None or self.kv_cache == "paged":  # paged: the store's blocks are the pool's
             return 0
         prompts: dict[int, list[int]] = {}  # a prompt per group, in admission order
         for i in todo:
             prompts.setdefault(requests[i].group, requests[i].prompt)
         tokens = shared_tokens(list(prompts.values()), rows, self.prefix.block)
         return min(tokens * self.prefix.per_token, max(0, plan.budget) // 4, self.prefix.budget)
+
+    def pool_sharing(self, requests: list[Request], todo: list[int], rows: int) -> tuple[list[int] | None, int]:
+        """For a paged pool with prefix caching: the slots each row of `todo` writes (its own: its prompt's whole
+        blocks that another row's prompt shares it holds by reference), and the most blocks `rows` rows running
+        together share (the pool holds them once); (None, 0) otherwise."""
+        if self.prefix is None or self.kv_cache != "paged":
+            return None, 0
+        prompts = [requests[i].prompt for i in todo]
+        own = [self.row_tokens(len(p), requests[i].sp.max_new_tokens) - n * self.prefix.block
+               for i, p, n in zip(todo, prompts, shared_blocks(prompts, self.prefix.block))]
+        return own, shared_tokens(prompts, rows, self.prefix.block) // self.prefix.block
 
     def admission_order(self, requests: list[Request], todo: list[int]) -> list[int]:
         """The order rows are admitted in. Longest first: similar lengths run together and the long tail does not

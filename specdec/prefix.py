@@ -10,6 +10,12 @@ specdec/proposers/prompt_lookup.py); a row that needs them matches only blocks t
 the engine across `generate()` calls, bounded in bytes and evicted least recently used, deepest blocks first (a
 prefix's first blocks serve every row that shares any of it).
 
+Over a paged cache (specdec/cache.py) the store keeps no copies: a stored block is the pool block the row that
+computed it wrote, pinned there (`attach`); rows whose prompt begins with stored blocks hold those blocks by reference
+from the time they join (`lookup`), and reserve only the blocks they write. A pinned block that no row holds is
+reclaimed, least recently used first, when joining rows need blocks (`reclaim`); one that rows hold is never evicted
+(it would free nothing).
+
 Keys and values at a position depend only on the tokens up to it, so a reused block holds what a prefill would
 compute, up to the rounding of a different batch shape.
 """
@@ -17,26 +23,29 @@ compute, up to the rounding of a different batch shape.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, PagedKVCache
 
 
 @dataclass
 class Block:
     tokens: tuple[int, ...]
     parent: int | None  # the previous block's key (None: the prompt's first block)
-    k: torch.Tensor  # [layers, kv_heads, block, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor | None  # [layers, kv_heads, block, head_dim] (None: a paged cache's pool block holds them)
+    v: torch.Tensor | None
     top: np.ndarray | None = None  # [block, ids] the model's most likely next ids at its positions
+    pool: int | None = None  # the pool block that holds its keys and values (paged)
+    pool_bytes: int = 0  # that block's bytes
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size() + (0 if self.top is None else self.top.nbytes)
+        kv = self.pool_bytes if self.k is None else 2 * self.k.numel() * self.k.element_size()
+        return kv + (0 if self.top is None else self.top.nbytes)
 
 
 class PrefixStore:
@@ -49,6 +58,48 @@ class PrefixStore:
         self.block = block
         self.blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self.nbytes = 0
+        self.pool: PagedKVCache | None = None  # the paged cache whose blocks the store pins (`attach`)
+        self.joining_top_ids = 0  # the most likely ids a joining row's shared blocks must keep (`lookup`)
+
+    def attach(self, cache: KVCache, top_ids: int = 0) -> None:
+        """The cache the store's rows live in: over a paged one the store pins its pool's blocks instead of keeping
+        copies (what it kept of another cache is dropped), and rows joining it share what `lookup` finds, blocks
+        with at least `top_ids` most likely ids."""
+        pool = cache if isinstance(cache, PagedKVCache) else None
+        if pool is not self.pool:
+            self.clear()
+            self.pool = pool
+        if pool is not None:
+            pool.prefix = self
+        self.joining_top_ids = top_ids
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the store takes besides the caches (none over a paged cache: its blocks are the pool's)."""
+        return 0 if self.pool is not None else self.nbytes
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        """The pool blocks of the stored blocks that begin a joining row's prompt `tokens`, within what its prefill
+        caches (all but the last token)."""
+        return [self.blocks[key].pool for key in self.match(tokens, len(tokens) - 1, self.joining_top_ids, touch=False)]
+
+    def idle_blocks(self) -> int:
+        """Pinned pool blocks no row holds: free for rows that need them (`reclaim`)."""
+        return sum(self.pool.refs[b.pool] == 1 for b in self.blocks.values())
+
+    def reclaim(self, blocks: int) -> None:
+        """Give the pool back up to `blocks` pinned blocks no row holds, least recently used first."""
+        for key in [key for key, b in self.blocks.items() if self.pool.refs[b.pool] == 1][:blocks]:
+            self._drop(key)
+
+    def _in_use(self, block: Block) -> bool:
+        return block.pool is not None and self.pool.refs[block.pool] > 1
+
+    def _drop(self, key: int) -> None:
+        block = self.blocks.pop(key)
+        self.nbytes -= block.nbytes
+        if block.pool is not None:
+            self.pool.unpin(block.pool)
 
     def _key(self, parent: int | None, tokens: tuple[int, ...]) -> int:
         return block_key(parent, tokens)
@@ -57,19 +108,19 @@ class PrefixStore:
         """(key, tokens, parent key) of each full block in the first `limit` tokens, in order."""
         return chain(tokens, limit, self.block, self._key)
 
-    def match(self, tokens: Sequence[int], limit: int, top_ids: int = 0) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int, top_ids: int = 0, touch: bool = True) -> list[int]:
         """Keys of the stored blocks that begin `tokens`, as many as fit in its first `limit` tokens (with `top_ids`:
-        blocks that keep at least that many most likely ids). They become the most recently used, the first blocks
-        last (evicted after the blocks that follow them)."""
+        blocks that keep at least that many most likely ids). With `touch`, they become the most recently used, the
+        first blocks last (evicted after the blocks that follow them)."""
         keys: list[int] = []
-        for key, chunk, parent in self.chain(tokens, limit):
+        for key, chunk, parent in iter_chain(tokens, limit, self.block, self._key):
             found = self.blocks.get(key)
             if found is None or found.tokens != chunk or found.parent != parent:
                 break
             if top_ids and (found.top is None or found.top.shape[1] < top_ids):
                 break
             keys.append(key)
-        for key in reversed(keys):
+        for key in reversed(keys if touch else []):
             self.blocks.move_to_end(key)
         return keys
 
@@ -88,10 +139,13 @@ class PrefixStore:
         return out
 
     def load(self, cache: KVCache, row: int, keys: list[int]) -> int:
-        """Write the blocks `keys` (a match) into slots [0, len(keys) * block) of cache row `row`; returns that
-        many tokens."""
+        """Write the blocks `keys` (a match) into slots [0, len(keys) * block) of cache row `row` (a paged cache's
+        row takes the pool blocks themselves); returns that many tokens."""
         if not keys:
             return 0
+        if self.pool is not None:
+            self.pool.adopt(row, [self.blocks[key].pool for key in keys])
+            return len(keys) * self.block
         k = torch.cat([self.blocks[key].k for key in keys], dim=2)  # [layers, kv_heads, n, head_dim]
         v = torch.cat([self.blocks[key].v for key in keys], dim=2)
         cache.write_slots(row, 0, k, v)
@@ -110,7 +164,7 @@ class PrefixStore:
         added, keys = 0, []
         chain = self.chain(tokens, cached)
         new = [i for i, (key, _, _) in enumerate(chain) if key not in self.blocks]
-        if new:  # the row's slots from its first new block, one copy per layer, then a block each
+        if new and self.pool is None:  # the row's slots from its first new block, one copy per layer, then a block each
             lo, hi = new[0] * self.block, len(chain) * self.block
             k, v = (kv.split(self.block, dim=2) for kv in cache.read_slots(row, lo, hi))
         for i, (key, chunk, parent) in enumerate(chain):
@@ -119,10 +173,15 @@ class PrefixStore:
                 break  # a collision: the chain cannot go on through this key
             ids = None if top is None else np.array(top[i * self.block:(i + 1) * self.block])
             if have is None:
-                j = i - new[0]
-                block = Block(chunk, parent, k[j].clone(), v[j].clone(), ids)
+                if self.pool is None:
+                    j = i - new[0]
+                    block = Block(chunk, parent, k[j].clone(), v[j].clone(), ids)
+                else:  # the row's own pool block: it writes no slot of it again
+                    block = Block(chunk, parent, None, None, ids, cache.owned[row][i], cache.block_bytes())
                 if block.nbytes > self.budget:
                     break
+                if block.pool is not None:
+                    self.pool.pin(block.pool)
                 self.blocks[key] = block
                 self.nbytes += block.nbytes
                 added += 1
@@ -136,13 +195,18 @@ class PrefixStore:
         return added
 
     def _evict(self) -> None:
-        while self.nbytes > self.budget and self.blocks:
-            _, block = self.blocks.popitem(last=False)
-            self.nbytes -= block.nbytes
+        """Least recently used first, down to the budget; blocks rows hold stay (dropping them frees nothing)."""
+        if self.nbytes <= self.budget:
+            return
+        for key in list(self.blocks):
+            if self.nbytes <= self.budget:
+                break
+            if not self._in_use(self.blocks[key]):
+                self._drop(key)
 
     def clear(self) -> None:
-        self.blocks.clear()
-        self.nbytes = 0
+        for key in list(self.blocks):
+            self._drop(key)
 
 
 def block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -150,16 +214,21 @@ def block_key(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
-def chain(tokens: Sequence[int], limit: int, block: int,
-          key_of=block_key) -> list[tuple[int, tuple[int, ...], int | None]]:
+def iter_chain(tokens: Sequence[int], limit: int, block: int,
+               key_of=block_key) -> Iterator[tuple[int, tuple[int, ...], int | None]]:
     """(key, tokens, parent key) of each full `block`-token block in the first `limit` tokens, in order."""
-    out, parent = [], None
+    parent = None
     for start in range(0, limit - block + 1, block):
         chunk = tuple(tokens[start:start + block])
         key = key_of(parent, chunk)
-        out.append((key, chunk, parent))
+        yield key, chunk, parent
         parent = key
-    return out
+
+
+def chain(tokens: Sequence[int], limit: int, block: int,
+          key_of=block_key) -> list[tuple[int, tuple[int, ...], int | None]]:
+    """`iter_chain`'s blocks, as a list."""
+    return list(iter_chain(tokens, limit, block, key_of))
 
 
 def shared_tokens(prompts: Sequence[Sequence[int]], rows: int, block: int) -> int:
@@ -181,6 +250,14 @@ def shared_tokens(prompts: Sequence[Sequence[int]], rows: int, block: int) -> in
                 shared -= count[key] == 1
         most = max(most, shared)
     return most * block
+
+
+def shared_blocks(prompts: Sequence[Sequence[int]], block: int) -> list[int]:
+    """For each prompt, its first whole blocks (within what a prefill caches) that another of `prompts` begins with
+    too."""
+    chains = [[key for key, _, _ in chain(p, len(p) - 1, block)] for p in prompts]
+    count = Counter(key for keys in chains for key in keys)
+    return [sum(count[key] > 1 for key in keys) for keys in chains]
 
 
 def admission_order(prompts: Sequence[Sequence[int]], span: int) -> list[int]:
@@ -216,9 +293,27 @@ class Prefixes:
     def __getitem__(self, name: str) -> PrefixStore | None:
         return self.stores.get(name)
 
+    def detach(self) -> None:
+        """The caches are replaced: stores pinned in a pool drop what they hold there."""
+        for store in self.stores.values():
+            if store.pool is not None:
+                store.clear()
+                store.pool = None
+
+    def attach(self, caches: dict, top_ids: dict[str, int]) -> None:
+        """Each store's cache (by model name; `PrefixStore.attach`)."""
+        for name, store in self.stores.items():
+            if name in caches:
+                store.attach(caches[name], top_ids.get(name, 0))
+
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.stores.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the stores take besides the caches."""
+        return sum(s.device_bytes for s in self.stores.values())
 
     def clear(self) -> None:
         for s in self.stores.values():

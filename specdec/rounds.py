@@ -108,7 +108,7 @@ class Rounds:
         while queue or b.n:
             if queue and b.n < b.capacity:
                 heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
-                fits = b.room([(len(r.prompt), r.sp.max_new_tokens) for r in heads])
+                fits = b.room([(r.prompt, r.sp.max_new_tokens) for r in heads])
                 if fits == 0 and b.n == 0:
                     raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
                 if fits:

@@ -275,6 +275,42 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
     assert peak.peak <= plan.budget
 
 
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_paged_rows_of_one_instruction_share_its_blocks_and_more_of_them_run_at_once(kept_graphs, monkeypatch,
+                                                                                     method):
+    """A synthesis job (12 rows of one 400-token instruction and a short input) under a budget that fits 3-4 whole
+    rows: over a paged pool the store's blocks of the instruction are the rows' own (pinned, shared by reference),
+    so a row reserves only what it writes and at least twice the rows run at once as without prefix caching, within
+    the budget, with the same output, also after a call of one row (whose caches are then too small to keep).
+    (8-layer models: keys and values take most of a row's bytes.)"""
+    target = tiny_llama(vocab=300, layers=8, seed=0).cpu()
+    models = {"target": target, "draft": noisy_copy(target, 0.02)}
+    shared = prompts_of([400])[0]
+    prompts = [shared + [250 + i, 7, 9 + i] for i in range(12)]
+    runs, held = {}, []
+    real_round = Rounds.round
+    monkeypatch.setattr(Rounds, "round", lambda self: (held.append(self.batch.n), real_round(self))[1])
+    for caching in (False, True):
+        eng = make_engine(models, method, bs=12, prefill_chunk=256, kv_cache="paged")
+        eng.prefix = eng.prefix if caching else None
+        figures = budget_for(eng, 3, [len(prompts[0])])
+        eng.device_memory = lambda: figures
+        eng.generate(prompts[:1])  # a first call of one row: its caches must not bound the next call's rows
+        plan = eng.memory_plan()
+        held.clear()
+        with Peak() as peak:
+            out = eng.generate(prompts)
+        assert peak.peak <= plan.budget
+        runs[caching] = [r.token_ids for r in out], max(held), [r.cached_prompt_tokens for r in out]
+    (tokens, off, _), (cached_tokens, on, reused) = runs[False], runs[True]
+    assert cached_tokens == tokens
+    assert off <= 4 and on >= 2 * off
+    assert reused[0] == 0 and reused[1:] == [400] * 11  # the 25 whole blocks of the instruction
+    cache = eng._runners["target"].cache
+    assert cache.free_slots() == (cache.blocks - 1) * BLOCK  # the pinned blocks are free for rows that need them
+    assert eng.prefix["target"].nbytes == 400 * (eng.prefix.per_token * eng.prefix.shares["target"])
+
+
 def test_what_cannot_fit_one_row_is_refused_with_the_figures(models):
     """A config whose one row of a 1-token prompt does not fit stops at start, naming the figures and the keys to
     change; a prompt too long for one row alone is an error row that says so."""

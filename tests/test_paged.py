@@ -10,13 +10,14 @@ from engine_models import MAX_NEW, engine, flat_profile, pair, tiny_llama
 from specdec.cache import BLOCK, PagedKVCache
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
+from specdec.prefix import PrefixStore
 from specdec.rounds import Rounds
 
 
 def test_rows_reserve_blocks_release_them_and_move_by_their_table():
     """A row takes the blocks of its slots and no more, a leaving row gives them back, a moved row keeps its keys
-    and values (its table row moves), a copied row gets its own blocks holding the same, and a row the pool cannot
-    hold is refused."""
+    and values (its table row moves), a copied row shares the source's whole blocks (freed when neither holds them)
+    and copies the rest, and a row the pool cannot hold is refused."""
     model = tiny_llama(layers=1)
     cache = PagedKVCache(model, rows=3, max_len=64, blocks=1 + 6)
     assert cache.free_slots() == 6 * BLOCK and cache.reservation(33) == 3 * BLOCK
@@ -33,12 +34,48 @@ def test_rows_reserve_blocks_release_them_and_move_by_their_table():
     assert (cache.table[0] == 0).all() and cache.free_slots() == 3 * BLOCK
     torch.testing.assert_close(cache.read_slots(1, 0, 33)[0], k)
     cache.reserve(2, 40)
-    cache.copy_row(1, 2, 33)
-    assert set(cache.owned[2]).isdisjoint(cache.owned[1])
+    assert cache.free_slots() == 0
+    cache.copy_row(1, 2, 33)  # a sample of row 1's prompt: its 2 whole blocks are shared, the 33rd slot is copied
+    assert cache.owned[2][:2] == cache.owned[1][:2] and cache.owned[2][2] != cache.owned[1][2]
+    assert cache.held_slots(2) == 32 and cache.free_slots() == 2 * BLOCK  # row 2's own 2 came back
     torch.testing.assert_close(cache.read_slots(2, 0, 33)[1], -k)
-    cache.release(1)
+    cache.release(1)  # the shared blocks stay while row 2 holds them
+    assert cache.free_slots() == 3 * BLOCK
+    torch.testing.assert_close(cache.read_slots(2, 0, 33)[1], -k)
     cache.release(2)
     assert cache.free_slots() == 6 * BLOCK and not cache.table.any()
+
+
+def test_the_prefix_store_pins_pool_blocks_that_joining_rows_share_and_others_reclaim():
+    """Over a paged cache the store keeps a row's own blocks (pinned, not copied); a row joining with that prompt
+    holds them from the start and reserves only what it writes; blocks only the store holds count as free (one a
+    joining row would share counts as taken) and are reclaimed when rows need them; blocks rows hold are never
+    evicted, whatever the store's budget."""
+    cache = PagedKVCache(tiny_llama(layers=1), rows=3, max_len=128, blocks=1 + 8)
+    store = PrefixStore(budget=1 << 30)
+    store.attach(cache)
+    prompt = list(range(40))  # 2 whole blocks within the 39 tokens a prefill caches
+    cache.reserve_rows([0], [60], [prompt])  # 4 blocks: nothing is stored yet
+    k = torch.randn(1, cache.kv_heads, 39, cache.head_dim)
+    cache.write_slots(0, 0, k, -k)
+    assert store.store(cache, 0, prompt, 39) == 2
+    assert {b.pool for b in store.blocks.values()} == set(cache.owned[0][:2]) and store.device_bytes == 0
+    assert cache.reservation(60, prompt) == 2 * BLOCK  # row 0 holds the shared blocks: only the row's own count
+    cache.reserve_rows([1], [60], [prompt])
+    assert cache.owned[1][:2] == cache.owned[0][:2] and cache.held_slots(1) == 32 and cache.free_slots() == 2 * BLOCK
+    torch.testing.assert_close(cache.read_slots(1, 0, 32)[0], k[:, :, :32])
+    cache.release(0)
+    store.budget = 0
+    store._evict()  # row 1 holds both: evicting them would free nothing
+    assert len(store.blocks) == 2
+    cache.release(1)
+    assert len(cache.free) == 6 and cache.free_slots() == 8 * BLOCK  # pinned by the store alone: free for rows
+    assert cache.reservation(60, prompt) == 4 * BLOCK  # sharing them takes them out of the free ones
+    store.budget = 1 << 30
+    cache.reserve(2, 8 * BLOCK)  # the whole pool: the store's blocks are reclaimed
+    assert not store.blocks and not cache.free
+    cache.release(2)
+    assert cache.free_slots() == 8 * BLOCK
 
 
 @pytest.mark.parametrize("bs", [1, 3, 8])
@@ -75,15 +112,19 @@ def test_sampled_rows_samples_trees_and_every_path_equal_the_dense_cache(target,
 
 
 def test_shared_prefixes_are_reused_into_paged_rows(target):
-    """Prefix caching writes stored blocks into a paged row's own blocks: rows reuse the shared instruction and
-    give the tokens of a run without the store."""
+    """Over a paged cache the store's blocks are pool blocks that later rows point at: rows reuse the shared
+    instruction, give the tokens of a run without the store, and the store holds no copy."""
     g = torch.Generator().manual_seed(4)
     shared = torch.randint(0, 96, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 5, 12, 7)]
-    got = engine(target, None, "none", 2, kv_cache="paged").generate(prompts)
+    eng = engine(target, None, "none", 2, kv_cache="paged")
+    got = eng.generate(prompts)
     ref = engine(target, None, "none", 2, prefix_caching=False).generate(prompts)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
     assert sum(r.cached_prompt_tokens for r in got) >= 4 * 32
+    store, cache = eng.prefix["target"], eng._runners["target"].cache
+    assert store.pool is cache and len(store.blocks) >= 2 and store.device_bytes == 0 == eng.prefix.device_bytes
+    assert all(cache.refs[b.pool] == 1 for b in store.blocks.values())  # pinned by the store alone, rows gone
 
 
 def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monkeypatch):

@@ -3,7 +3,7 @@ budget admits: dense rows with the allocation rule of today and the power-of-two
 the paged cache (`resources.kv_cache: paged`, 2026-11-27).
 
     python bench/kv_memory.py [--rows 256] [--min-len 50] [--max-len 2000] [--max-new 64] [--budget-gib 4]
-        [--shapes llama-8b]
+        [--shapes llama-8b] [--shared 1000]
 
 Prompt lengths are drawn uniformly from [min-len, max-len] (seeded). The real pair's engine (`method:
 draft_model`, both caches) is given device figures whose budget is `--budget-gib` (as the tests drive the plan on
@@ -15,7 +15,9 @@ cache's rows are those its pool holds at once (each row reserves its prompt, `ma
 runs on the models: these are the engine's own sizing decisions, which tests/test_memory.py holds to the measured
 allocation. `--shapes llama-8b`: the pair is Llama-3.1-8B's shape with Llama-3.2-1B's as the draft, bfloat16, built on
 torch's meta device (shapes, no weights): the sizing a GPU job of that pair would get (on a GPU the captured steps
-also keep their outputs, which this does not count).
+also keep their outputs, which this does not count). `--shared N`: a synthesis job: every prompt is one N-token
+instruction and then its drawn length of its own; adds `paged, shared`, prefix caching over the paged pool (the
+instruction's blocks held once, by reference; each row reserves what it writes).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.costmodel import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models import ModelPair  # noqa: E402
+from specdec.prefix import shared_blocks, shared_tokens  # noqa: E402
 
 
 def meta_llama(layers: int, d: int, heads: int, kv_heads: int, intermediate: int):
@@ -61,6 +64,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=2000)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--budget-gib", type=float, default=4.0)
+    ap.add_argument("--shared", type=int, default=0, help="tokens of an instruction every prompt begins with")
     ap.add_argument("--shapes", choices=("real", "llama-8b"), default="real",
                     help="llama-8b: Llama-3.1-8B with Llama-3.2-1B's shape as the draft, bf16, no weights")
     add_model_args(ap)
@@ -70,10 +74,13 @@ def main():
     else:
         pair = load_bench_pair(args)
     rng = random.Random(0)
-    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
+    lengths = [args.shared + rng.randint(args.min_len, args.max_len) for _ in range(args.rows)]
     engines = {layout: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(method="draft_model"),
                                   batch_size=args.rows, prefix_caching=False, kv_cache=layout)
                for layout in ("dense", "paged")}
+    if args.shared:
+        engines["shared"] = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new),
+                                       SpecConfig(method="draft_model"), batch_size=args.rows, kv_cache="paged")
     total = 80 * memory.GiB
     budget = int(args.budget_gib * memory.GiB)
     for e in engines.values():
@@ -84,7 +91,8 @@ def main():
     row_len = eng.row_tokens(max(lengths))
     longest = sorted(lengths, reverse=True)
     mean = sum(lengths) / len(lengths)
-    print(f"# {args.rows} prompts of {args.min_len}-{args.max_len} tokens (mean {mean:.0f}), {args.max_new} new, "
+    print(f"# {args.rows} prompts of " + (f"a {args.shared}-token instruction and " if args.shared else "")
+          + f"{args.min_len}-{args.max_len} tokens (mean {mean:.0f} in all), {args.max_new} new, "
           f"KV budget {args.budget_gib} GiB, {per_token} KV bytes per token (both models), "
           + ("Llama-3.1-8B / Llama-3.2-1B shapes, meta device, bfloat16" if args.shapes == "llama-8b" else describe(pair)))
     print(f"{'rule':12s} {'slots/row':>9s} {'rows':>5s} {'KV GiB':>7s} {'alloc/held, longest':>20s} "
@@ -115,6 +123,35 @@ def main():
     print(f"rows admitted, today / power of 2: {rows['today'] / rows['power of 2']:.2f}; paged / today: "
           f"{first / rows['today']:.2f} for the longest rows, {at_mean / rows['today']:.2f} at the mean length "
           f"(the plan gives steps and activations for {need.rows} rows)")
+    if args.shared:
+        shared_rows(engines["shared"], args, lengths, row_len, per_token, rows["today"])
+
+
+def shared_rows(eng: SpecEngine, args, lengths: list[int], row_len: int, per_token: int, today: int) -> None:
+    """The synthesis job's rows over a paged pool with prefix caching: the instruction's blocks once, each row's own
+    blocks (its input, its output and the draft's slack), as `generate()` sizes them (`SpecEngine.pool_sharing`)."""
+    rng = random.Random(1)
+    instruction = [rng.randrange(1000) for _ in range(args.shared)]
+    prompts = [instruction + [rng.randrange(1000) for _ in range(n - args.shared)] for n in lengths]
+    prompts.sort(key=len, reverse=True)
+    own_tokens = [eng.row_tokens(len(p)) - n * BLOCK for p, n in zip(prompts, shared_blocks(prompts, BLOCK))]
+    held_room = shared_tokens(prompts, args.rows, BLOCK) // BLOCK
+    slots = [eng.row_tokens(len(p)) for p in prompts]
+    need = eng.sizes(args.rows, row_len, max(lengths), eng.memory_plan(), slots, own_tokens, held_room)
+    pool = need.pool - BLOCK - held_room * BLOCK  # less the scratch block and the instruction's blocks
+    taken = [blocks_for(s) * BLOCK for s in own_tokens]
+    first = next((i for i in range(need.rows + 1) if i == need.rows or sum(taken[: i + 1]) > pool), need.rows)
+    mean_own = sum(own_tokens) / len(own_tokens)
+    at_mean = min(need.rows, int(pool // (blocks_for(round(mean_own)) * BLOCK)))
+    alloc = need.pool * per_token
+    held_longest = (held_room * BLOCK + sum(len(p) - held_room * BLOCK + args.max_new for p in prompts[:first])) \
+        * per_token
+    mean = sum(lengths) / len(lengths)
+    held_mean = (held_room * BLOCK + at_mean * (mean - held_room * BLOCK + args.max_new)) * per_token
+    print(f"{'paged,shared':12s} {'own':>9s} {first:5d} {alloc / memory.GiB:7.2f} {alloc / held_longest:20.2f} "
+          f"{alloc / held_mean:17.2f} {at_mean:10d}")
+    print(f"paged with the instruction shared / today: {first / today:.2f} for the longest rows, "
+          f"{at_mean / today:.2f} at the mean length (the plan gives steps and activations for {need.rows} rows)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Prefix caching on a synthesis-shaped job: one long shared instruction, a short input per row.
 
     python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2]
-        [--methods none,draft_model,aasd] [--prompts synthesis|chat] [--budget-gib G]
+        [--methods none,draft_model,aasd] [--prompts synthesis|chat] [--budget-gib G] [--kv-cache dense,paged]
 
 Every row is the chat template over a ~1,000-token system prompt (a data-synthesis brief with worked examples,
 written for this benchmark) and a one-line user input; `--prompts chat`: held-out chat prompts instead
@@ -14,7 +14,11 @@ prompt tokens computed and reused, and whether the outputs are the same tokens.
 `--budget-gib G`: the engines get device figures whose memory plan has G GiB for caches and activations (as
 tests/test_memory.py drives the plan on a CPU), so batches are sized as on a GPU; a third run, `on, no hold`, is
 prefix caching as it was before 2026-11-27, when the plan held no room for the prefixes rows share (the store took
-only what the rows left). The `rows` column is the batch the plan gave.
+only what the rows left). The `rows` column is the most rows that ran at once.
+
+`--kv-cache dense,paged`: the runs above for each cache layout (`resources.kv_cache`), ratios to the first layout's
+run without caching; over a paged pool the store's blocks are the rows' own, shared by reference, so under a budget
+rows of one instruction reserve only what they write.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 from specdec import memory  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
+from specdec.rounds import Rounds  # noqa: E402
 
 RULES = [
     "Write one product review per request, in plain English, between forty and eighty words.",
@@ -112,14 +117,20 @@ def prompts(tokenizer, rows: int) -> list[list[int]]:
 def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
     if eng.prefix is not None:
         eng.prefix.clear()
-    sync(eng.device)
-    t = time.perf_counter()
-    res = eng.generate(ids)
-    sync(eng.device)
-    wall = time.perf_counter() - t
+    most = []
+    real = Rounds.round
+    Rounds.round = lambda self: (most.append(self.batch.n), real(self))[1]  # the rows each round runs
+    try:
+        sync(eng.device)
+        t = time.perf_counter()
+        res = eng.generate(ids)
+        sync(eng.device)
+        wall = time.perf_counter() - t
+    finally:
+        Rounds.round = real
     return {"tok_s": sum(r.generated_tokens for r in res) / wall, "prompt": sum(r.prompt_tokens for r in res),
-            "rows": eng.need.batch if eng.need is not None else min(eng.batch_size, len(ids)),
-            "reused": sum(r.cached_prompt_tokens for r in res), "tokens": [r.token_ids for r in res]}
+            "rows": max(most), "reused": sum(r.cached_prompt_tokens for r in res),
+            "tokens": [r.token_ids for r in res]}
 
 
 ALIASES = {"aasd": {"method": "prompt_lookup", "prompt_lookup": {"alignment_sampling": 2}}}
@@ -135,6 +146,7 @@ def main():
     ap.add_argument("--methods", default="none,draft_model", help="methods, or aasd: prompt_lookup with "
                     "alignment_sampling 2 (its prefills keep the target's top ids with the stored blocks)")
     ap.add_argument("--budget-gib", type=float, default=None, help="size batches by a memory plan of this budget")
+    ap.add_argument("--kv-cache", default="dense", help="cache layouts, comma-separated (dense, paged)")
     add_model_args(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -146,19 +158,21 @@ def main():
     lens = [len(p) for p in ids]
     print(f"# {args.rows} rows of {min(lens)}-{max(lens)} prompt tokens ({args.prompts} prompts), {args.max_new} new "
           f"tokens, greedy, {describe(pair)}")
-    print(f"{'method':12s} {'batch':>5s} {'caching':>11s} {'rows':>4s} {'tok/s':>8s} {'on/off':>18s} "
+    layouts = args.kv_cache.split(",")
+    print(f"{'method':12s} {'batch':>5s} {'caching':>17s} {'rows':>4s} {'tok/s':>8s} {'/ first off':>18s} "
           f"{'prompt tok':>10s} {'computed':>9s} {'reused':>7s} {'same':>5s}")
-    variants = ["off", "on"] + (["on, no hold"] if args.budget_gib else [])
+    variants = [f"{layout} {c}" for layout in layouts
+                for c in ["off", "on"] + (["on, no hold"] if args.budget_gib and layout == "dense" else [])]
     for method, batch in [(m, int(b)) for m in args.methods.split(",") for b in args.batches.split(",")]:
         spec = SpecConfig(**ALIASES.get(method, {"method": method}))
-        engines = {v: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec,
-                                 batch_size=batch, prefix_caching=v != "off") for v in variants}
+        engines = {v: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec, batch_size=batch,
+                                 prefix_caching=not v.endswith("off"), kv_cache=v.split()[0]) for v in variants}
         for v, eng in engines.items():
             if args.budget_gib:  # a device whose free memory the engine's caches and kept prefixes take from
                 total, budget = 80 * memory.GiB, int(args.budget_gib * memory.GiB)
                 free = int((1 - eng.gpu_memory_fraction) * total) + budget + memory.GiB // 2
                 eng.device_memory = lambda e=eng, free=free: (free - e.resident_bytes(), total)
-            if v == "on, no hold":
+            if v.endswith("no hold"):
                 eng.prefix_room = lambda *a: 0
             eng.measure_costs()
             eng.generate(ids[:2])  # warm: kernels, allocator, cache sizes
@@ -166,13 +180,14 @@ def main():
         for _ in range(args.repeats):
             for v in variants:
                 runs[v].append(timed(engines[v], ids))
+        first = runs[variants[0]]
         for v in variants:
             r = runs[v][-1]
-            same = sum(a == b for a, b in zip(r["tokens"], runs["off"][-1]["tokens"]))
-            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[v], runs["off"])]
-            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if v != "off" else ""
+            same = sum(a == b for a, b in zip(r["tokens"], first[-1]["tokens"]))
+            ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[v], first)]
+            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if v != variants[0] else ""
             speed = statistics.median(x["tok_s"] for x in runs[v])
-            print(f"{method:12s} {batch:5d} {v:>11s} {r['rows']:4d} {speed:8.1f} "
+            print(f"{method:12s} {batch:5d} {v:>17s} {r['rows']:4d} {speed:8.1f} "
                   f"{ratio:>18s} {r['prompt']:10d} {r['prompt'] - r['reused']:9d} {r['reused']:7d} "
                   f"{same:>2d}/{len(ids)}")
 

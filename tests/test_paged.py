@@ -127,6 +127,42 @@ def test_shared_prefixes_are_reused_into_paged_rows(target):
     assert all(cache.refs[b.pool] == 1 for b in store.blocks.values())  # pinned by the store alone, rows gone
 
 
+@pytest.mark.parametrize("method,sp,spec", [
+    ("draft_model", {"n": 2, "temperature": 0.8, "seed": 3}, {}),
+    ("prompt_lookup", {}, {"prompt_lookup": {"alignment_sampling": 2}, "num_draft_tokens": 3, "draft_length": "fixed"}),
+])
+def test_rows_sharing_stored_blocks_from_the_start_draw_what_dense_rows_do(target, drafts, method, sp, spec,
+                                                                           monkeypatch):
+    """Rows of one instruction over a paged pool, batch 2 so that later rows join once its blocks are stored and
+    point at them from the start (a prompt's samples too; under AASD only blocks that keep the target's top ids):
+    the same tokens as dense rows without prefix caching, sampled or greedy, and the draft's pool shares as well."""
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(0, 96, (48,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 96, (n,), generator=g).tolist() * 2 for n in (3, 9, 5, 12, 7)]
+    joined_holding = []
+    real = PagedKVCache.reserve_rows
+
+    def reserve_rows(self, rows, slots, prompts=None):
+        real(self, rows, slots, prompts)
+        joined_holding.extend(self.held_slots(r) for r in rows)
+
+    monkeypatch.setattr(PagedKVCache, "reserve_rows", reserve_rows)
+    runs = {}
+    for layout, caching in (("dense", False), ("paged", True)):
+        eng = SpecEngine(pair(target, drafts["noisy"] if method == "draft_model" else None),
+                         SamplingParams(max_new_tokens=MAX_NEW, **sp), SpecConfig(method=method, **spec),
+                         batch_size=2, profile=flat_profile(), kv_cache=layout, prefix_caching=caching)
+        out = eng.generate(prompts)
+        runs[layout] = [r.token_ids for r in out]
+        if caching:
+            assert sum(r.cached_prompt_tokens for r in out) >= (len(out) - 1) * 48
+            for name, store in eng.prefix.stores.items():
+                cache = eng._runners[name].cache
+                assert store.pool is cache and store.blocks and cache.free_slots() == (cache.blocks - 1) * BLOCK
+    assert runs["paged"] == runs["dense"]
+    assert joined_holding.count(48) >= 3  # rows that joined holding the instruction's 3 blocks
+
+
 def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monkeypatch):
     """A pool smaller than the batch's rows need at once: rows join as blocks come free, every row finishes with
     transformers' output, and the batch never held more rows than the pool had room for."""

@@ -302,12 +302,14 @@ class SpecEngine:
         if not rows:
             raise plan.refuse(need(1, least), f"one row of {row_len} slots")
         have = self._runners.get("target")
-        if have is not None and have.cache.max_len >= length and have.cache.rows >= rows \
-                and have.cache.blocks >= pool(rows):
-            keep = plan.need(have.cache.rows, have.cache.max_len, min(want, have.cache.rows), row_len, prompt,
-                             pool=have.cache.blocks * BLOCK)
-            if plan.fits(keep):  # the current caches hold as much, and keep their captured steps
-                return keep
+        if have is not None:  # the current caches, and their captured steps, when they serve as many rows
+            cache = have.cache
+            if cache.max_len >= length and cache.rows >= rows and cache.blocks >= least \
+                    and cache.blocks - 1 - shared >= rows * mean:
+                keep = plan.need(cache.rows, cache.max_len, min(want, cache.rows), row_len, prompt,
+                                 pool=cache.blocks * BLOCK)
+                if plan.fits(keep):
+                    return keep
         return need(rows, pool(rows))
 
     @property

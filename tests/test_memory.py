@@ -275,13 +275,14 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
     assert peak.peak <= plan.budget
 
 
-@pytest.mark.parametrize("method", ["none", "draft_model"])
+@pytest.mark.parametrize("method,spec", [("none", {}), ("draft_model", {}), ("draft_model", {"num_draft_tokens": 0})])
 def test_paged_rows_of_one_instruction_share_its_blocks_and_more_of_them_run_at_once(kept_graphs, monkeypatch,
-                                                                                     method):
+                                                                                     method, spec):
     """A synthesis job (12 rows of one 400-token instruction and a short input) under a budget that fits 3-4 whole
     rows: over a paged pool the store's blocks of the instruction are the rows' own (pinned, shared by reference),
     so a row reserves only what it writes and at least twice the rows run at once as without prefix caching, within
-    the budget, with the same output, also after a call of one row (whose caches are then too small to keep).
+    the budget, with the same output, also after a call of one row (whose caches are then too small to keep), and
+    with a draft that does not draft when rows join (K = 0: its pool shares the instruction too).
     (8-layer models: keys and values take most of a row's bytes.)"""
     target = tiny_llama(vocab=300, layers=8, seed=0).cpu()
     models = {"target": target, "draft": noisy_copy(target, 0.02)}
@@ -291,7 +292,7 @@ def test_paged_rows_of_one_instruction_share_its_blocks_and_more_of_them_run_at_
     real_round = Rounds.round
     monkeypatch.setattr(Rounds, "round", lambda self: (held.append(self.batch.n), real_round(self))[1])
     for caching in (False, True):
-        eng = make_engine(models, method, bs=12, prefill_chunk=256, kv_cache="paged")
+        eng = make_engine(models, method, bs=12, prefill_chunk=256, kv_cache="paged", **spec)
         eng.prefix = eng.prefix if caching else None
         figures = budget_for(eng, 3, [len(prompts[0])])
         eng.device_memory = lambda: figures

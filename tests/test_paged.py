@@ -135,7 +135,8 @@ def test_rows_sharing_stored_blocks_from_the_start_draw_what_dense_rows_do(targe
                                                                            monkeypatch):
     """Rows of one instruction over a paged pool, batch 2 so that later rows join once its blocks are stored and
     point at them from the start (a prompt's samples too; under AASD only blocks that keep the target's top ids):
-    the same tokens as dense rows without prefix caching, sampled or greedy, and the draft's pool shares as well."""
+    the same tokens as dense rows without prefix caching, sampled or greedy, the draft's pool shares as well, and no
+    row writes a slot of a block it holds by reference (the stored blocks keep their keys and values to the end)."""
     g = torch.Generator().manual_seed(6)
     shared = torch.randint(0, 96, (48,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 96, (n,), generator=g).tolist() * 2 for n in (3, 9, 5, 12, 7)]
@@ -147,6 +148,17 @@ def test_rows_sharing_stored_blocks_from_the_start_draw_what_dense_rows_do(targe
         joined_holding.extend(self.held_slots(r) for r in rows)
 
     monkeypatch.setattr(PagedKVCache, "reserve_rows", reserve_rows)
+    written = {}  # (cache, pool block, its tokens and parent) -> its keys and values when the store took it
+    real_store = PrefixStore.store
+
+    def store(self, cache, row, tokens, cached, top=None):
+        added = real_store(self, cache, row, tokens, cached, top)
+        for b in self.blocks.values():
+            at = slice(b.pool * BLOCK, (b.pool + 1) * BLOCK)
+            written.setdefault((id(cache), b.pool, b.tokens, b.parent), [kv[at].clone() for kv in (*cache.k, *cache.v)])
+        return added
+
+    monkeypatch.setattr(PrefixStore, "store", store)
     runs = {}
     for layout, caching in (("dense", False), ("paged", True)):
         eng = SpecEngine(pair(target, drafts["noisy"] if method == "draft_model" else None),
@@ -161,6 +173,12 @@ def test_rows_sharing_stored_blocks_from_the_start_draw_what_dense_rows_do(targe
                 assert store.pool is cache and store.blocks and cache.free_slots() == (cache.blocks - 1) * BLOCK
     assert runs["paged"] == runs["dense"]
     assert joined_holding.count(48) >= 3  # rows that joined holding the instruction's 3 blocks
+    kept = [(store.pool, b) for store in eng.prefix.stores.values() for b in store.blocks.values()]
+    assert len(kept) >= 3
+    for cache, b in kept:  # no row wrote a slot of a block it held by reference
+        at = slice(b.pool * BLOCK, (b.pool + 1) * BLOCK)
+        then = written[id(cache), b.pool, b.tokens, b.parent]
+        assert all(torch.equal(kv[at], old) for kv, old in zip((*cache.k, *cache.v), then))
 
 
 def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monkeypatch):

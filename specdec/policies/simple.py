@@ -24,6 +24,9 @@ class FixedLength(LengthPolicy):
     def plan(self, view: BatchView) -> int:
         return self.spec.num_draft_tokens
 
+    def drafts_soon(self, view: BatchView) -> bool:
+        return self.spec.num_draft_tokens > 0
+
 
 class HeuristicLength(LengthPolicy):
     """transformers' schedule: +2 after a fully accepted round, otherwise -1 (at least 1)."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import sampling
+from ..cache import PagedKVCache
 from ..verify import scan
 from .base import Draft, Proposer
 
@@ -47,8 +48,10 @@ class DraftModelProposer(Proposer):
         batch.slots.add_cache(runner.cache, self.d_len)
 
     def admit(self, start: int, end: int, target_top_ids=None, drafting: bool = True) -> None:
-        if drafting:
-            self.d_len[start:end] = self.batch.prefill(self.runner, start, end)
+        b = self.batch
+        shared = isinstance(self.runner.cache, PagedKVCache) and b.prefixes is not None and b.prefixes["draft"]
+        if drafting or shared:  # a paged pool's rows share the draft's prefix blocks once its store holds them
+            self.d_len[start:end] = b.prefill(self.runner, start, end)
         else:  # no speculation for now: the first drafting round's catch-up feeds the whole row
             self.d_len[start:end] = 0
 

@@ -38,7 +38,7 @@ from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.costmodel import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models import ModelPair  # noqa: E402
-from specdec.prefix import shared_blocks, shared_tokens  # noqa: E402
+from specdec.rounds import Request  # noqa: E402
 
 
 def meta_llama(layers: int, d: int, heads: int, kv_heads: int, intermediate: int):
@@ -111,10 +111,7 @@ def main():
     paged = engines["paged"]
     slots = sorted((paged.row_tokens(n) for n in lengths), reverse=True)
     need = paged.sizes(args.rows, row_len, max(lengths), paged.memory_plan(), slots)
-    pool = need.pool - BLOCK  # the scratch block holds no row
-    taken = [blocks_for(s) * BLOCK for s in slots]
-    first = next((i for i in range(need.rows + 1) if i == need.rows or sum(taken[: i + 1]) > pool), need.rows)
-    at_mean = min(need.rows, int(pool // (blocks_for(round(paged.row_tokens(round(mean)))) * BLOCK)))
+    first, at_mean = rows_at_once(need.pool - BLOCK, slots, paged.row_tokens(round(mean)), need.rows)
     alloc = need.pool * per_token
     held_longest = sum(n + args.max_new for n in longest[:first]) * per_token
     held_mean = at_mean * (mean + args.max_new) * per_token
@@ -127,6 +124,14 @@ def main():
         shared_rows(engines["shared"], args, lengths, row_len, per_token, rows["today"])
 
 
+def rows_at_once(pool: int, slots: list[int], mean_slots: float, most: int) -> tuple[int, int]:
+    """Rows a pool of `pool` slots holds at once, at most `most` (the rows the plan gives steps and activations for):
+    the first of rows reserving `slots` each (longest first), and rows of `mean_slots`."""
+    taken = [blocks_for(s) * BLOCK for s in slots]
+    first = next((i for i in range(most + 1) if i == most or sum(taken[: i + 1]) > pool), most)
+    return first, min(most, int(pool // (blocks_for(round(mean_slots)) * BLOCK)))
+
+
 def shared_rows(eng: SpecEngine, args, lengths: list[int], row_len: int, per_token: int, today: int) -> None:
     """The synthesis job's rows over a paged pool with prefix caching: the instruction's blocks once, each row's own
     blocks (its input, its output and the draft's slack), as `generate()` sizes them (`SpecEngine.pool_sharing`)."""
@@ -134,15 +139,13 @@ def shared_rows(eng: SpecEngine, args, lengths: list[int], row_len: int, per_tok
     instruction = [rng.randrange(1000) for _ in range(args.shared)]
     prompts = [instruction + [rng.randrange(1000) for _ in range(n - args.shared)] for n in lengths]
     prompts.sort(key=len, reverse=True)
-    own_tokens = [eng.row_tokens(len(p)) - n * BLOCK for p, n in zip(prompts, shared_blocks(prompts, BLOCK))]
-    held_room = shared_tokens(prompts, args.rows, BLOCK) // BLOCK
+    requests = [Request(p, i, 0, eng.sampling, i) for i, p in enumerate(prompts)]
+    own_tokens, held_room = eng.pool_sharing(requests, list(range(len(requests))), args.rows)
     slots = [eng.row_tokens(len(p)) for p in prompts]
     need = eng.sizes(args.rows, row_len, max(lengths), eng.memory_plan(), slots, own_tokens, held_room)
-    pool = need.pool - BLOCK - held_room * BLOCK  # less the scratch block and the instruction's blocks
-    taken = [blocks_for(s) * BLOCK for s in own_tokens]
-    first = next((i for i in range(need.rows + 1) if i == need.rows or sum(taken[: i + 1]) > pool), need.rows)
-    mean_own = sum(own_tokens) / len(own_tokens)
-    at_mean = min(need.rows, int(pool // (blocks_for(round(mean_own)) * BLOCK)))
+    # less the scratch block and the instruction's blocks; own_tokens is in the prompts' order, longest first
+    first, at_mean = rows_at_once(need.pool - BLOCK - held_room * BLOCK, own_tokens,
+                                  sum(own_tokens) / len(own_tokens), need.rows)
     alloc = need.pool * per_token
     held_longest = (held_room * BLOCK + sum(len(p) - held_room * BLOCK + args.max_new for p in prompts[:first])) \
         * per_token

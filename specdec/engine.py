@@ -293,19 +293,21 @@ class SpecEngine:
         def need(rows: int, blocks: int) -> memory.Need:
             return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
 
+        def serves(blocks: int, rows: int) -> bool:  # the longest row alone, and the shared and the mean rows together
+            return blocks >= least and blocks - 1 - shared >= rows * mean
+
         @functools.cache
         def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
             most = max(least, self.pool_blocks(own[:rows]) + shared)
             return memory.largest(lambda b: plan.fits(need(rows, b)), most)
 
-        rows = memory.largest(lambda r: pool(r) >= least and pool(r) - 1 - shared >= r * mean, want)
+        rows = memory.largest(lambda r: serves(pool(r), r), want)
         if not rows:
             raise plan.refuse(need(1, least), f"one row of {row_len} slots")
         have = self._runners.get("target")
         if have is not None:  # the current caches, and their captured steps, when they serve as many rows
             cache = have.cache
-            if cache.max_len >= length and cache.rows >= rows and cache.blocks >= least \
-                    and cache.blocks - 1 - shared >= rows * mean:
+            if cache.max_len >= length and cache.rows >= rows and serves(cache.blocks, rows):
                 keep = plan.need(cache.rows, cache.max_len, min(want, cache.rows), row_len, prompt,
                                  pool=cache.blocks * BLOCK)
                 if plan.fits(keep):
@@ -404,9 +406,10 @@ class SpecEngine:
             longest = max(len(requests[i].prompt) for i in todo)
             slots = sorted((self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo),
                            reverse=True)
-            own, shared = self.pool_sharing(requests, todo, want)
+            own, shared = None, 0
             if plan is not None:
                 plan.held = self.prefix_room(plan, requests, todo, want)
+                own, shared = self.pool_sharing(requests, todo, want)
             try:
                 need = self.sizes(want, max_len, longest, plan, slots, own, shared)
             except memory.OutOfMemoryPlan:

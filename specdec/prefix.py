@@ -177,7 +177,7 @@ class PrefixStore:
                     j = i - new[0]
                     block = Block(chunk, parent, k[j].clone(), v[j].clone(), ids)
                 else:  # the row's own pool block: it writes no slot of it again
-                    block = Block(chunk, parent, None, None, ids, cache.owned[row][i], cache.block_bytes())
+                    block = Block(chunk, parent, None, None, ids, self.pool.owned[row][i], self.pool.block_bytes())
                 if block.nbytes > self.budget:
                     break
                 if block.pool is not None:

@@ -11,7 +11,7 @@ admitted starts as a copy of the row holding it (`copy_row`), and new rows start
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -176,6 +176,30 @@ class TargetInputs:
     base: torch.Tensor  # [n] the pending token's slot
     slots: torch.Tensor | None = None  # [n, same] a tree's cache slots
     mask: torch.Tensor | None = None  # [n, 1, same, kv_len] a tree's attention mask
+    join: Join | None = None  # rows joining the batch, read in the same forward (tokens... cover the rows before)
+
+
+@dataclass
+class Joining:
+    """Rows [start, end), just admitted, whose target caches hold `done` [rows] slots of their prompts (host): the
+    next round's forward computes the rest with their drafts (`Batch.target_inputs`)."""
+
+    start: int
+    end: int
+    done: np.ndarray
+
+
+@dataclass
+class Join:
+    """Rows [start, start + m) joining the batch, in a round's forward (`ModelRunner.step_joined`): the last
+    tokens of their prompts that their caches lack, then their pending token and draft, at `positions`; the
+    forward attends over `kv_len` slots and gives their logits at columns `at` [m, w]."""
+
+    tokens: torch.Tensor  # [m, T]
+    positions: torch.Tensor  # [m, T]
+    kv_len: int
+    start: int
+    at: torch.Tensor  # [m, w]
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -199,6 +223,7 @@ class Batch:
     prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/prefix.py), when prefix caching is on
     prefill_chunk: int | None = None  # most prompt tokens (rows x tokens) one prefill forward takes; None: all
     slack: int | None = None  # slots a row may hold past its prompt and max_new_tokens (the draft's); None: max_len
+    joining: Joining | None = None  # rows whose prefill's tail waits for the next round's forward
 
     def __init__(self, target: ModelRunner | TPRunner, capacity: int, max_len: int, vocab_size: int):
         self.target = target
@@ -249,20 +274,24 @@ class Batch:
         self._prefill(runner, start, end, model, done=done)
         return self.lens[start:end] - 1
 
-    def prefill_target(self, start: int, end: int, top_ids: int = 0) -> tuple[np.ndarray | None, np.ndarray]:
+    def prefill_target(self, start: int, end: int, top_ids: int = 0,
+                       join: bool = False) -> tuple[np.ndarray | None, np.ndarray]:
         """The target's prefill of rows [start, end): with `top_ids` > 0, its most likely ids at every cached
         position [rows, t, top_ids] on the host (read back once per admission, not per round; a stored prefix
-        gives its own); and each row's prompt tokens taken from the prefix store [rows]."""
-        reused, ids = self._prefill(self.target, start, end, "target", top_ids)
+        gives its own); and each row's prompt tokens taken from the prefix store [rows]. `join` (rows at the end
+        of the batch, no `top_ids`): the last `prefill_chunk` tokens of their prompts wait for the next round's
+        forward (`joining`)."""
+        reused, ids = self._prefill(self.target, start, end, "target", top_ids, join=join and not top_ids)
         self.cached[start:end] = self.lens[start:end] - 1
         return ids, reused
 
     def _prefill(self, runner, start: int, end: int, model: str, top_ids: int = 0,
-                 done: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 done: np.ndarray | None = None, join: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
         """Prefill rows [start, end) after the `done` slots they hold or the longer run of blocks the prefix store
         of `model` gives them, then store their prompts' blocks; returns the tokens each took from the store, and
         with `top_ids` (and no `done`) the model's most likely ids at every cached position [rows, t, top_ids] on
-        the host, the stored blocks' and the computed ones."""
+        the host, the stored blocks' and the computed ones. `join`: the tail (at most `prefill_chunk` tokens of
+        all the rows) is left to the next round's forward, which stores the blocks then."""
         cached = self.lens[start:end] - 1
         have = np.zeros(end - start, dtype=np.int64) if done is None else np.array(done, dtype=np.int64)
         store = None if self.prefixes is None else self.prefixes[model]
@@ -277,17 +306,29 @@ class Batch:
                         ids[i, : reused[i]] = store.top_ids(keys, top_ids)
         held = [runner.cache.held_slots(slot) for slot in range(start, end)]  # shared since they joined: not written
         done = np.maximum(np.maximum(have, reused), held)
+        if join:  # all but the tail now; the next round's forward reads the tail with the rows' drafts
+            tail = (self.prefill_chunk or int((cached - done).max(initial=0))) // (end - start)
+            upto = np.maximum(done, cached - tail)
+            self.forwards(runner, start, done, upto)
+            self.joining = Joining(start, end, upto)
+            return reused, None
         computed = self.forwards(runner, start, done, cached, top_ids)
         if computed is not None:  # row i's computed ids begin at its position done[i]
             computed = computed.cpu().numpy()
             for i in range(end - start):
                 ids[i, done[i]: cached[i]] = computed[i, : cached[i] - done[i]]
-        if store is not None:  # the prompts' blocks (a row that catches up holds its output too)
+        self._store(runner, start, end, model, ids)
+        return reused, ids
+
+    def _store(self, runner, start: int, end: int, model: str, ids: np.ndarray | None = None) -> None:
+        """`model`'s prefix store takes the blocks of the prompts of rows [start, end), cached now (a row that
+        catches up holds its output too)."""
+        store = None if self.prefixes is None else self.prefixes[model]
+        if store is not None:
             for i, slot in enumerate(range(start, end)):
                 row = self.rows[slot]
                 store.store(runner.cache, slot, row.tokens,
-                            min(int(cached[i]), row.result.prompt_tokens - 1), None if ids is None else ids[i])
-        return reused, ids
+                            min(int(self.lens[slot]) - 1, row.result.prompt_tokens - 1), None if ids is None else ids[i])
 
     def forwards(self, runner, start: int, done: np.ndarray, upto: np.ndarray,
                  top_ids: int = 0) -> torch.Tensor | None:
@@ -339,18 +380,62 @@ class Batch:
         """The target's inputs for verifying `draft` over rows [0, n): a chain padded to `width` >= k + 1 tokens
         per row, or a token tree (node j at slot base + j, position base + its depth, seeing its ancestors)."""
         dev, k = self.device, draft.tokens.shape[1]
+        if self.joining is not None and (draft.tree is not None or not hasattr(self.target, "step_joined")):
+            self.settle()  # a tree's forward (or a runner without joined steps) reads the joining rows as others
         lens = self.lens[:n].copy()
-        lag = int((lens - self.cached[:n]).max())
         base = self.to_device(lens) - 1
+        if self.joining is not None:  # the rows before the joining ones verify as a chain; those, beside them
+            j = self.joining.start
+            inputs = self._chain(lens[:j], base[:j], self.cached[:j], draft.tokens[:j], width)
+            return replace(inputs, lens=lens, base=base, join=self._join(lens, draft.tokens[j:], width))
+        if draft.tree is None:
+            return self._chain(lens, base, self.cached[:n], draft.tokens, width)
+        lag = int((lens - self.cached[:n]).max())
         behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
         tokens = torch.cat([self.seq[:n].gather(1, behind), draft.tokens], dim=1)  # [n, lag + k]
         kv_len = int(lens.max()) - 1 + width
-        if draft.tree is None:
-            positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
-            return TargetInputs(torch.nn.functional.pad(tokens, (0, width - k - 1)), positions, kv_len, lag, lens, base)
         t = draft.tree
         positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
         return TargetInputs(tokens, positions, kv_len, lag, lens, base, slots, mask)
+
+    def _chain(self, lens: np.ndarray, base: torch.Tensor, cached: np.ndarray, draft: torch.Tensor,
+               width: int) -> TargetInputs:
+        """Rows [0, len(lens)) verifying chains `draft` [rows, k] at `width` tokens, after the `lag` tokens the
+        rows with the most not cached yet lack."""
+        dev, n, k = self.device, len(lens), draft.shape[1]
+        lag = int((lens - cached).max(initial=1))
+        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
+        tokens = torch.cat([self.seq[:n].gather(1, behind), draft], dim=1)  # [n, lag + k]
+        positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
+        kv_len = int(lens.max(initial=1)) - 1 + width
+        return TargetInputs(torch.nn.functional.pad(tokens, (0, width - k - 1)), positions, kv_len, lag, lens, base)
+
+    def _join(self, lens: np.ndarray, draft: torch.Tensor, width: int) -> Join:
+        """The joining rows' part of a round's forward: each row's prompt after the `done` slots its cache holds,
+        its pending token and its draft [m, k], padded to the longest; the logits wanted at the pending token and
+        the draft."""
+        j, dev, k = self.joining, self.device, draft.shape[1]
+        lens = lens[j.start: j.end]
+        first = lens - j.done  # columns before the draft: the prompt's rest and the pending token
+        t = int(first.max()) + width - 1
+        cols = j.done[:, None] + np.arange(t)
+        tokens = self.seq[j.start: j.end].gather(1, self.to_device(np.minimum(cols, self.max_len - 1)))
+        at = self.to_device(first - 1)[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [m, k + 1]
+        tokens.scatter_(1, at[:, 1:], draft)
+        return Join(tokens, self.to_device(cols), int(lens.max()) - 1 + width, j.start, at)
+
+    def joined(self) -> None:
+        """The joining rows' round forward ran: their caches hold their prompts, which the prefix store takes."""
+        j, self.joining = self.joining, None
+        if j is not None:
+            self._store(self.target, j.start, j.end, "target")
+
+    def settle(self) -> None:
+        """The joining rows' prefills end now, in a forward of their own."""
+        j = self.joining
+        if j is not None:
+            self.forwards(self.target, j.start, j.done, self.cached[j.start: j.end])
+            self.joined()
 
     def accept(self, n: int, inputs: TargetInputs, verdict: Verdict, draft: Draft) -> torch.Tensor:
         """Rows [0, n) take their accepted tokens and the rule's next token into `seq` (a tree's accepted path's

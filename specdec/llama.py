@@ -155,10 +155,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _attention_in(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                   kv_heads: int, head_dim: int, eps: float):
     """Norm, fused q/k/v projection and RoPE: q [n, heads, t, hd], k and v [n, t, kv_heads, hd]."""
-    n, t, _ = x.shape
+    return _heads(F.linear(rms_norm(x, layer.ln1, eps), layer.qkv, layer.qkv_bias), cos, sin, heads, kv_heads,
+                  head_dim)
+
+
+def _heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
+    """The fused projection's output [n, t, (heads + 2 kv_heads) hd] split into heads, RoPE applied: q [n, heads,
+    t, hd], k and v [n, t, kv_heads, hd]."""
+    n, t, _ = qkv.shape
     nh, nk, hd = heads, kv_heads, head_dim
-    h = rms_norm(x, layer.ln1, eps)
-    q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split([nh * hd, nk * hd, nk * hd], dim=-1)
+    q, k, v = qkv.split([nh * hd, nk * hd, nk * hd], dim=-1)
     q = q.view(n, t, nh, hd).transpose(1, 2)
     k = k.view(n, t, nk, hd).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
@@ -208,6 +214,23 @@ def layer_prefill(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: to
     return _layer_out(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
 
 
+def layer_parts(xs: list[torch.Tensor], layer: Layer, views: list[KVView], index: int, ropes: list[tuple],
+                masks: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, eps: float) -> list[torch.Tensor]:
+    """Decoder layer `index` over several windows of cache rows at once, x_i [n_i, t_i, d] -> the same shapes: the
+    projections and the MLP run once over every window's tokens (each weight read once), the cache writes, RoPE
+    (`ropes`: each window's cos, sin) and attention per window (its view and mask), as `layer_forward` does."""
+    sizes = [x.shape[0] * x.shape[1] for x in xs]
+    flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])[None]  # [1, tokens, d]
+    qkv = F.linear(rms_norm(flat, layer.ln1, eps), layer.qkv, layer.qkv_bias)[0]
+    outs = []
+    for part, x, kv, (cos, sin), mask in zip(qkv.split(sizes), xs, views, ropes, masks):
+        q, k, v = _heads(part.view(*x.shape[:2], -1), cos, sin, heads, kv_heads, head_dim)
+        kv.write(index, k, v)
+        outs.append(_attend(q, *kv.read(index), mask).reshape(-1, heads * head_dim))
+    out = _layer_out(flat, layer, torch.cat(outs)[None], eps)[0]
+    return [o.view(x.shape) for o, x in zip(out.split(sizes), xs)]
+
+
 def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
     """cos, sin [n, 1, t, hd] at the positions, and the mask [n, 1, group * t, kv_len]: a query at position
     p sees slots 0..p of its own row."""
@@ -240,6 +263,25 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     for index, layer in enumerate(w.layers):
         x = layer_fn(x, layer, kv, index, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
     return rms_norm(x, w.norm, w.eps)
+
+
+def forward_parts(w: LlamaWeights, cache: KVCache, parts: list[tuple[torch.Tensor, torch.Tensor, int, int]],
+                  ) -> list[torch.Tensor]:
+    """`forward` over several windows of cache rows in one pass over the weights: parts (tokens [n_i, t_i],
+    positions [n_i, t_i], kv_len, start) -> hidden states [n_i, t_i, d] after the final norm, each as `forward`
+    gives it (rows at different lengths, a prefill's tail beside a round's step: the linear layers take all their
+    tokens together)."""
+    xs, views, ropes, masks = [], [], [], []
+    for tokens, positions, kv_len, start in parts:
+        positions = positions.clamp(max=cache.max_len - 1)
+        cos, sin, mask = _rope_and_mask(w, positions, kv_len)
+        xs.append(embed(w, tokens))
+        views.append(cache.view(start, start + tokens.shape[0], positions, kv_len))
+        ropes.append((cos, sin))
+        masks.append(mask)
+    for index, layer in enumerate(w.layers):
+        xs = layer_parts(xs, layer, views, index, ropes, masks, w.heads, w.kv_heads, w.head_dim, w.eps)
+    return [rms_norm(x, w.norm, w.eps) for x in xs]
 
 
 def prefill(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, start: int,

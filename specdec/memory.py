@@ -11,10 +11,11 @@ allocation replaces them):
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
   working memory of one step;
-- activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
-  first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), the draft's
-  catch-up of whole rows (rows that joined while the policy did not draft), and a round: one step, and the
-  float32 work on the draft's and the target's distributions;
+- activations, the largest of: a round (one step, and the float32 work on the draft's and the target's
+  distributions) together with the target's prefill of a batch (rows join by a prefill, a whole batch at
+  first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt; the last of them
+  runs in the round's forward), and the draft's catch-up of whole rows (rows that joined while the policy did
+  not draft);
 - `held`: room kept for the prefix store, the prefixes a batch's rows share (`SpecEngine.prefix_room`);
 - `slack` for what is neither: the allocator's rounding, and the cuBLAS workspaces torch keeps for each stream
   that runs a matmul (`STREAM_WORKSPACE` each; two streams: the default one, and the one captures run on).
@@ -207,9 +208,9 @@ class MemoryPlan:
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        acts = [self.prefill(self.roles[0], batch, prompt),
-                self._forward(self.roles[0], step_rows, self.width, max_len, "all")
-                + ROUND_FLOATS * 4 * step_rows * self.width * vocab]
+        round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \
+            + ROUND_FLOATS * 4 * step_rows * self.width * vocab
+        acts = [self.prefill(self.roles[0], batch, prompt) + round_]  # joining rows end their prefills in a round
         acts += [self.catch_up(role, batch, row_len) for role in self.roles[1:]]
         return Need(rows, max_len, batch, kv, graphs, max(acts), pool)
 

@@ -92,6 +92,10 @@ class Readback:
 
 
 class Rounds:
+    # rows that join end their prefills in the next round's forward, beside the others' verification (False: in
+    # forwards of their own first; bench/join_speed.py compares)
+    join_prefills: bool = True
+
     def __init__(self, context: RoundContext, batch: Batch, policy: LengthPolicy, requests: list[Request],
                  results: list[SampleResult | None], on_round=None):
         self.context, self.batch, self.policy = context, batch, policy
@@ -102,18 +106,42 @@ class Rounds:
         logprobs = [r.sp.top_logprobs for r in requests if r.sp.logprobs]
         self.top_logprobs = max(logprobs) if logprobs else None  # most tokens per position (None: no logprobs)
         self.waiting = self.joined = 0
+        self.join = False  # admitted rows' prefills end in the next round's forward (`run` sets it)
 
     def run(self, queue: deque) -> None:
         b = self.batch
+        self.join = self.join_prefills
         while queue or b.n:
             if queue and b.n < b.capacity:
                 heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
                 fits = b.room([(r.prompt, r.sp.max_new_tokens) for r in heads])
                 if fits == 0 and b.n == 0:
                     raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
+                if fits and b.n and self.join:  # rows decoding wait for no prefill: one chunk joins their round
+                    fits = self.within_chunk(heads[:fits])
                 if fits:
                     self.admit([queue.popleft() for _ in range(fits)], len(queue))
             self.round()
+
+    def within_chunk(self, heads: list[Request]) -> int:
+        """How many of these rows (in order, at least one) join together within one `prefill_chunk`: their prompts'
+        tokens to compute (not what the prefix store holds; a prompt's other samples copy it), padded to the most,
+        as the round's forward takes them."""
+        b = self.batch
+        if b.prefill_chunk is None:
+            return len(heads)
+        store = b.prefixes["target"] if b.prefixes is not None else None
+        most, groups = 0, set()
+        for i, r in enumerate(heads):
+            if r.group not in groups:
+                groups.add(r.group)
+                left = len(r.prompt) - 1
+                if store is not None:
+                    left -= len(store.match(r.prompt, left, touch=False)) * store.block
+                most = max(most, left)
+                if len(groups) * most > b.prefill_chunk:
+                    return max(1, i)
+        return len(heads)
 
     def admit(self, indices: list[int], waiting: int = 0) -> None:
         """Requests `indices` join the batch. One sample of each prompt is prefilled; the others copy its
@@ -146,8 +174,9 @@ class Rounds:
         wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
         split = mid - sum(later)
         for lo, hi in ((start, split), (split, mid)):
-            if hi > lo:
-                top_ids, reused = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0)
+            if hi > lo:  # the last rows' prefill ends in the next round's forward (no copies wait for it)
+                top_ids, reused = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0,
+                                                   join=self.join and hi == end)
                 b.proposer.admit(lo, hi, top_ids, drafting=drafting)
                 for slot, n in zip(range(lo, hi), reused):
                     b.rows[slot].result.cached_prompt_tokens = int(n)
@@ -178,6 +207,7 @@ class Rounds:
         """One round of the active rows: plan, propose, verify (one read-back), finish rows."""
         b, n, clock = self.batch, self.batch.n, self.context.clock
         limits = self.limits(n)
+        timed = self.batch.joining is None  # a round that ends rows' prefills costs more than its drafts and width
         t0 = clock()
         rows = b.sp.view(n)
         draws = self.draws(n, int(limits.max(initial=0)) + 1)
@@ -190,7 +220,7 @@ class Rounds:
         emitted = sum(self.finish(i, out, draft.forwards) for i in range(n))
         emitted += self.jump_forward(range(n))
         finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
-        seconds = None if trial else clock() - t0
+        seconds = clock() - t0 if timed and not trial else None
         self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, draft.host_depth, width))
         for i in reversed(np.flatnonzero(finished)):  # descending: the last active row is never a finished one
             self.retire(int(i))
@@ -214,9 +244,17 @@ class Rounds:
         the rule's verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's
         read-back."""
         b, k, t0 = self.batch, draft.tokens.shape[1], self.context.clock()
+        timed = b.joining is None
         inputs = b.target_inputs(n, draft, width)
-        logits, _ = b.target.step(inputs.tokens, inputs.positions, inputs.kv_len, slots=inputs.slots, mask=inputs.mask)
-        logits = logits[:, inputs.lag - 1 : inputs.lag + k, : b.vocab_size]  # [n, k+1, vocab]
+        if inputs.join is None:
+            logits, _ = b.target.step(inputs.tokens, inputs.positions, inputs.kv_len, slots=inputs.slots,
+                                      mask=inputs.mask)
+            logits = logits[:, inputs.lag - 1 : inputs.lag + k, : b.vocab_size]  # [n, k+1, vocab]
+        else:  # rows joining the batch end their prefills in this forward, and verify their drafts in it
+            step, joined = b.target.step_joined(inputs.tokens, inputs.positions, inputs.kv_len, inputs.join)
+            parts = [] if step is None else [step[:, inputs.lag - 1 : inputs.lag + k]]
+            logits = torch.cat(parts + [joined])[..., : b.vocab_size]
+            b.joined()
         best, finite = scan(logits)  # greedy's choices and the non-finite check in one pass
         if b.constraints is not None:  # on the host while the forward runs: each row's format masks p
             draft = self.constrain(n, draft)
@@ -230,7 +268,7 @@ class Rounds:
                             draft_non_finite=draft.non_finite, tokens=tokens, **logprobs)
         b.grow(n, inputs.lens, out.accepted)
         b.proposer.commit(n, inputs.lens, out.accepted)
-        if self.context.widths:
+        if self.context.widths and timed:
             self.context.widths.observe(n, width, self.context.clock() - t0)
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +32,9 @@ from . import llama
 from .cache import KVCache, forward_hidden
 from .costmodel import pow2_at_least
 from .graphs import StepGraphs, compiled_layer
+
+if TYPE_CHECKING:
+    from .batch import Join
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()  # fallback reasons already logged by this process
@@ -147,6 +151,23 @@ class ModelRunner:
         if key in self.checked or not self._checks(graphed):
             return fast()
         return self._first(key, fast, eager)
+
+    def step_joined(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                    join: Join) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step over rows [0, n) as `step` (it may have none) and, in the same forward, the rows `join` names:
+        each weight is read once for both (the lean path; the generic one runs the two forwards in turn). Returns
+        the step's logits [n, t, vocab] and the joining rows' at the columns `join.at` [m, w, vocab]."""
+        n = tokens.shape[0]
+        kv_len = min(kv_len, self.cache.max_len)
+        joined = (join.tokens, join.positions, min(join.kv_len, self.cache.max_len), join.start)
+        if self.lean is not None:
+            hidden = llama.forward_parts(self.lean, self.cache, ([(tokens, positions, kv_len, 0)] if n else [])
+                                         + [joined])
+        else:
+            hidden = [forward_hidden(self.model, self.cache, *p[:2], p[3], p[3] + p[0].shape[0], p[2])
+                      for p in ([(tokens, positions, kv_len, 0)] if n else []) + [joined]]
+        step = self.logits(hidden[0]) if n else None
+        return step, self.logits(hidden[-1].gather(1, join.at[:, :, None].expand(-1, -1, hidden[-1].shape[-1])))
 
     def _checks(self, graphed: bool) -> bool:
         """Whether a shape's first fast step is checked: where graphs are captured or the layer compiled (on

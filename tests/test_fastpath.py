@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_models import DEVICE, MAX_NEW, noisy_copy, pair
+from engine_models import DEVICE, MAX_NEW, flat_profile, noisy_copy, pair
 from specdec import llama
 from specdec.cache import PagedKVCache, RaggedKVCache, blocks_for, forward_hidden
 from specdec.config import SamplingParams, SpecConfig
@@ -64,6 +64,84 @@ def test_lean_forward_matches_transformers(target, layout):
     fused = w.layers[0].qkv
     q = target.model.layers[0].self_attn.q_proj.weight
     assert q.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()  # a view: nothing held twice
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_one_forward_over_a_step_and_joining_rows_computes_what_two_do(target, layout):
+    """A round's step over rows 0-1 and, in the same pass over the weights, rows 2-3 ending their prefills (each
+    after its own cached slots, at ragged lengths): hidden states and cache contents as two forwards give them."""
+    prefill, step, positions = ragged_inputs(n=2)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 96, (2, 12), generator=g).to(DEVICE)
+    w = llama.load_weights(target)
+    apart, together = cache_of(target, layout), cache_of(target, layout)
+    joined = torch.tensor([5, 2], device=DEVICE)[:, None] + torch.arange(7, device=DEVICE)  # rows at 5 and 2 slots
+    with torch.inference_mode():
+        for cache in (apart, together):
+            llama.prefill(w, cache, prefill, 0)
+            llama.prefill(w, cache, prompts, 2)
+        a = [llama.forward(w, apart, step, positions, 23), llama.forward(w, apart, prompts[:, 5:], joined, 12, start=2)]
+        b = llama.forward_parts(w, together, [(step, positions, 23, 0), (prompts[:, 5:], joined, 12, 2)])
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        for x, y in zip(held(apart, 4, 23), held(together, 4, 23)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts, reference, monkeypatch):
+    """Rows joining a batch (prompts within one prefill chunk) take no target forward of their own: each round runs
+    one, which ends the joining rows' prefills beside the others' verification; transformers' tokens."""
+    calls = collections.Counter()
+    for name in ("prefill", "step", "step_joined"):
+        def spy(self, *args, _real=getattr(ModelRunner, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, name, spy)
+    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(method="none"), batch_size=3,
+                     profile=flat_profile(), prefix_caching=False)
+    out = eng.generate(prompts)
+    assert [r.token_ids for r in out] == reference
+    assert calls["prefill"] == 0 and calls["step"] + calls["step_joined"] == eng_rounds(out, 3)
+    assert calls["step_joined"] >= 2  # the first admission, and rows joining as others finish
+
+
+@pytest.mark.parametrize("method,layout", [("none", "dense"), ("draft_model", "paged")])
+def test_while_rows_decode_rows_join_within_one_chunk_in_the_rounds_forward(target, drafts, method, layout,
+                                                                           monkeypatch):
+    """While rows decode, rows join within one `prefill_chunk` of prompt tokens (padded to the longest, as the
+    round's forward takes them), all of it in the round's forward: no target prefill forward runs but while no row
+    decodes (the first admission). Here two rows of 25 and 22 tokens could join together when two others end, but
+    join one round apart in a chunk of 32. Transformers' tokens."""
+    from engine_models import engine
+
+    from specdec.batch import Batch
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (30, 28, 26, 25, 22, 20)]  # admission order
+    lengths = [MAX_NEW, 2, 2, 5, MAX_NEW, 3]  # rows 1 and 2 end together while row 0 decodes
+    with torch.inference_mode():
+        reference = [target.generate(torch.tensor([p], device=DEVICE), max_new_tokens=m, min_new_tokens=m,
+                                     do_sample=False)[0, len(p):].tolist() for p, m in zip(prompts, lengths)]
+    apart, joined = [], []
+    real_forwards, real_joined = Batch.forwards, ModelRunner.step_joined
+
+    def forwards(self, runner, start, done, upto, top_ids=0):
+        if runner is self.target and (upto - done).sum() > 0:
+            apart.append(start)  # the rows decoding while this prefill runs
+        return real_forwards(self, runner, start, done, upto, top_ids)
+
+    def step_joined(self, tokens, positions, kv_len, join):
+        joined.append(join.tokens.shape[0] * int(join.at[:, 0].max()))
+        return real_joined(self, tokens, positions, kv_len, join)
+
+    monkeypatch.setattr(Batch, "forwards", forwards)
+    monkeypatch.setattr(ModelRunner, "step_joined", step_joined)
+    eng = engine(target, drafts["noisy"] if method == "draft_model" else None, method, bs=3, prefill_chunk=32,
+                 kv_cache=layout)
+    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=m) for m in lengths])
+    assert [r.token_ids for r in out] == reference
+    assert set(apart) <= {0} and len(joined) >= 4 and max(joined) <= 32
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])

@@ -206,7 +206,9 @@ def test_a_job_counts_reused_prompt_tokens_in_its_rows_manifest_status_and_opena
 
 
 def forward_sizes(monkeypatch, steps: bool = False) -> list[int]:
-    """The tokens (rows x columns) of every prefill forward from now on, and of every step with `steps`."""
+    """The tokens (rows x columns) of every prefill forward from now on, the prompt tokens (rows x the most columns
+    before the pending token) that joining rows end their prefills with in a round's forward, and the tokens of
+    every step with `steps`."""
     from specdec.runner import ModelRunner
 
     sizes: list[int] = []
@@ -216,6 +218,12 @@ def forward_sizes(monkeypatch, steps: bool = False) -> list[int]:
             return _real(self, tokens, *args, **kwargs)
 
         monkeypatch.setattr(ModelRunner, name, spy)
+
+    def joined(self, tokens, positions, kv_len, join, _real=ModelRunner.step_joined):
+        sizes.append(join.tokens.shape[0] * int(join.at[:, 0].max()))
+        return _real(self, tokens, positions, kv_len, join)
+
+    monkeypatch.setattr(ModelRunner, "step_joined", joined)
     return sizes
 
 

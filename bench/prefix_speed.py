@@ -114,7 +114,7 @@ def prompts(tokenizer, rows: int) -> list[list[int]]:
             for i in range(rows)]
 
 
-def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
+def timed(eng: SpecEngine, ids: list[list[int]], params: list[SamplingParams] | None = None) -> dict:
     if eng.prefix is not None:
         eng.prefix.clear()
     most = []
@@ -123,7 +123,7 @@ def timed(eng: SpecEngine, ids: list[list[int]]) -> dict:
     try:
         sync(eng.device)
         t = time.perf_counter()
-        res = eng.generate(ids)
+        res = eng.generate(ids, params=params)
         sync(eng.device)
         wall = time.perf_counter() - t
     finally:

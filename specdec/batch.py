@@ -176,7 +176,8 @@ class TargetInputs:
     base: torch.Tensor  # [n] the pending token's slot
     slots: torch.Tensor | None = None  # [n, same] a tree's cache slots
     mask: torch.Tensor | None = None  # [n, 1, same, kv_len] a tree's attention mask
-    join: Join | None = None  # rows joining the batch, read in the same forward (tokens... cover the rows before)
+    join: Join | None = None  # rows [join.start, n) joining the batch, in the same forward (the fields above but
+    # lens and base are then the rows before them)
 
 
 @dataclass
@@ -307,8 +308,8 @@ class Batch:
         held = [runner.cache.held_slots(slot) for slot in range(start, end)]  # shared since they joined: not written
         done = np.maximum(np.maximum(have, reused), held)
         if join:  # all but the tail now; the next round's forward reads the tail with the rows' drafts
-            tail = (self.prefill_chunk or int((cached - done).max(initial=0))) // (end - start)
-            upto = np.maximum(done, cached - tail)
+            tail = None if self.prefill_chunk is None else self.prefill_chunk // (end - start)  # tokens per row
+            upto = done if tail is None else np.maximum(done, cached - tail)
             self.forwards(runner, start, done, upto)
             self.joining = Joining(start, end, upto)
             return reused, None
@@ -328,7 +329,8 @@ class Batch:
             for i, slot in enumerate(range(start, end)):
                 row = self.rows[slot]
                 store.store(runner.cache, slot, row.tokens,
-                            min(int(self.lens[slot]) - 1, row.result.prompt_tokens - 1), None if ids is None else ids[i])
+                            min(int(self.lens[slot]) - 1, row.result.prompt_tokens - 1),
+                            None if ids is None else ids[i])
 
     def forwards(self, runner, start: int, done: np.ndarray, upto: np.ndarray,
                  top_ids: int = 0) -> torch.Tensor | None:
@@ -378,8 +380,8 @@ class Batch:
 
     def target_inputs(self, n: int, draft: Draft, width: int) -> TargetInputs:
         """The target's inputs for verifying `draft` over rows [0, n): a chain padded to `width` >= k + 1 tokens
-        per row, or a token tree (node j at slot base + j, position base + its depth, seeing its ancestors)."""
-        dev, k = self.device, draft.tokens.shape[1]
+        per row, or a token tree (node j at slot base + j, position base + its depth, seeing its ancestors). Rows
+        joining the batch (`joining`, chains) come as a `Join` beside the others' chains, for the same forward."""
         if self.joining is not None and (draft.tree is not None or not hasattr(self.target, "step_joined")):
             self.settle()  # a tree's forward (or a runner without joined steps) reads the joining rows as others
         lens = self.lens[:n].copy()
@@ -390,9 +392,7 @@ class Batch:
             return replace(inputs, lens=lens, base=base, join=self._join(lens, draft.tokens[j:], width))
         if draft.tree is None:
             return self._chain(lens, base, self.cached[:n], draft.tokens, width)
-        lag = int((lens - self.cached[:n]).max())
-        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
-        tokens = torch.cat([self.seq[:n].gather(1, behind), draft.tokens], dim=1)  # [n, lag + k]
+        lag, tokens = self._unread(lens, base, self.cached[:n], draft.tokens)
         kv_len = int(lens.max()) - 1 + width
         t = draft.tree
         positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
@@ -402,13 +402,19 @@ class Batch:
                width: int) -> TargetInputs:
         """Rows [0, len(lens)) verifying chains `draft` [rows, k] at `width` tokens, after the `lag` tokens the
         rows with the most not cached yet lack."""
-        dev, n, k = self.device, len(lens), draft.shape[1]
-        lag = int((lens - cached).max(initial=1))
-        behind = (base[:, None] + torch.arange(1 - lag, 1, device=dev)[None, :]).clamp(min=0)  # [n, lag]
-        tokens = torch.cat([self.seq[:n].gather(1, behind), draft], dim=1)  # [n, lag + k]
-        positions = (base[:, None] + torch.arange(1 - lag, width, device=dev)[None, :]).clamp(min=0)
+        lag, tokens = self._unread(lens, base, cached, draft)
+        positions = (base[:, None] + torch.arange(1 - lag, width, device=self.device)[None, :]).clamp(min=0)
         kv_len = int(lens.max(initial=1)) - 1 + width
-        return TargetInputs(torch.nn.functional.pad(tokens, (0, width - k - 1)), positions, kv_len, lag, lens, base)
+        return TargetInputs(torch.nn.functional.pad(tokens, (0, width - draft.shape[1] - 1)), positions, kv_len, lag,
+                            lens, base)
+
+    def _unread(self, lens: np.ndarray, base: torch.Tensor, cached: np.ndarray,
+                draft: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(lag, tokens [rows, lag + k]): each of rows [0, len(lens)) reads the `lag` tokens up to its pending one
+        (the most any of them lacks in its cache), then its draft [rows, k]."""
+        lag = int((lens - cached).max(initial=1))
+        behind = (base[:, None] + torch.arange(1 - lag, 1, device=self.device)[None, :]).clamp(min=0)  # [n, lag]
+        return lag, torch.cat([self.seq[: len(lens)].gather(1, behind), draft], dim=1)
 
     def _join(self, lens: np.ndarray, draft: torch.Tensor, width: int) -> Join:
         """The joining rows' part of a round's forward: each row's prompt after the `done` slots its cache holds,

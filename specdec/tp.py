@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import llama
+from .batch import Join
 from .cache import RaggedKVCache, WholeRows
 from .runner import ModelRunner
 from .shard import ShardedModel
@@ -148,6 +149,9 @@ class Rank:
     def step(self, key: int, tokens, positions, kv_len, last, slots, mask):
         return self.runners[key].step(tokens, positions, kv_len, last, slots=slots, mask=mask)
 
+    def step_joined(self, key: int, tokens, positions, kv_len, *join):
+        return self.runners[key].step_joined(tokens, positions, kv_len, Join(*join))
+
     def move_row(self, key: int, src: int, dst: int, length: int) -> None:
         self.runners[key].cache.move_row(src, dst, length)
 
@@ -211,6 +215,10 @@ class TPRunner:
 
     def step(self, tokens, positions, kv_len, last=None, slots=None, mask=None):
         return self.call("step", tokens, positions, kv_len, last, slots, mask)
+
+    def step_joined(self, tokens, positions, kv_len, join: Join):
+        return self.call("step_joined", tokens, positions, kv_len, join.tokens, join.positions, join.kv_len, join.start,
+                         join.at)
 
 
 class _Cache(WholeRows):

@@ -88,9 +88,11 @@ def test_one_forward_over_a_step_and_joining_rows_computes_what_two_do(target, l
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts, reference, monkeypatch):
-    """Rows joining a batch (prompts within one prefill chunk) take no target forward of their own: each round runs
-    one, which ends the joining rows' prefills beside the others' verification; transformers' tokens."""
+@pytest.mark.parametrize("chunk", [2048, None])
+def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts, reference, chunk, monkeypatch):
+    """Rows joining a batch (prompts within one prefill chunk, or no chunks) take no target forward of their own:
+    each round runs one, which ends the joining rows' prefills beside the others' verification; transformers'
+    tokens."""
     calls = collections.Counter()
     for name in ("prefill", "step", "step_joined"):
         def spy(self, *args, _real=getattr(ModelRunner, name), _name=name, **kwargs):
@@ -99,7 +101,7 @@ def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts
 
         monkeypatch.setattr(ModelRunner, name, spy)
     eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(method="none"), batch_size=3,
-                     profile=flat_profile(), prefix_caching=False)
+                     profile=flat_profile(), prefix_caching=False, prefill_chunk=chunk)
     out = eng.generate(prompts)
     assert [r.token_ids for r in out] == reference
     assert calls["prefill"] == 0 and calls["step"] + calls["step_joined"] == eng_rounds(out, 3)

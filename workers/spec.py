@@ -57,7 +57,9 @@ class ResourcesSpec(Config):
     prefill_chunk: int | None = Field(2048, ge=1, description="most prompt tokens (rows x tokens) one prefill "
                                       "forward takes, so that admitting many long prompts neither spikes memory "
                                       "nor needs room for them all at once (the GPU memory plan counts one chunk); "
-                                      "null: each admission in one forward", json_schema_extra=NEUTRAL)
+                                      "while rows decode, rows join within one chunk, computed in the round's "
+                                      "forward beside the others' verification; null: each admission in one "
+                                      "forward", json_schema_extra=NEUTRAL)
     kv_cache: Literal["dense", "paged"] = Field(
         "dense", description="how a worker holds keys and values: `dense` rows each of the batch's longest row's "
         "slots, or `paged`: 16-token blocks each row reserves for its prompt and `max_new_tokens` when it joins, so "

@@ -12,7 +12,9 @@ A round reads the device back once, at the end of `verify` (`Readback`); everyth
 formats, the draft limit) is a `RoundContext` the engine builds once. Rows with an output format
 (specdec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
 target reads those in the next round's forward, which then starts up to `lag` tokens before each row's pending
-token.
+token. While rows decode, rows join within one `prefill_chunk` of prompt tokens, and their prefill ends in the next
+round's target forward, beside the other rows' verification (`Batch.target_inputs`' `Join`): the decoding rows wait
+for no prefill of their own.
 """
 
 from __future__ import annotations

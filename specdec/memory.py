@@ -11,11 +11,11 @@ allocation replaces them):
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
   working memory of one step;
-- activations, the largest of: a round (one step, and the float32 work on the draft's and the target's
-  distributions) together with the target's prefill of a batch (rows join by a prefill, a whole batch at
-  first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt; the last of them
-  runs in the round's forward), and the draft's catch-up of whole rows (rows that joined while the policy did
-  not draft);
+- activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
+  first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), a round (one step,
+  and the float32 work on the draft's and the target's distributions) with one row's last chunk of prefill in
+  its forward (rows that join while others decode), and the draft's catch-up of whole rows (rows that joined
+  while the policy did not draft);
 - `held`: room kept for the prefix store, the prefixes a batch's rows share (`SpecEngine.prefix_room`);
 - `slack` for what is neither: the allocator's rounding, and the cuBLAS workspaces torch keeps for each stream
   that runs a matmul (`STREAM_WORKSPACE` each; two streams: the default one, and the one captures run on).
@@ -210,7 +210,10 @@ class MemoryPlan:
         vocab = max(r.shape.vocab for r in self.roles)
         round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \
             + ROUND_FLOATS * 4 * step_rows * self.width * vocab
-        acts = [self.prefill(self.roles[0], batch, prompt) + round_]  # joining rows end their prefills in a round
+        # rows join by a prefill: a whole batch at first, apart; later within a round's forward, which takes a chunk
+        # of joining rows beside the others (one joining row is the most: each row more is a row less in the step,
+        # whose rows cost more than a joining row's attention)
+        acts = [self.prefill(self.roles[0], batch, prompt), round_ + self.prefill(self.roles[0], 1, prompt)]
         acts += [self.catch_up(role, batch, row_len) for role in self.roles[1:]]
         return Need(rows, max_len, batch, kv, graphs, max(acts), pool)
 

@@ -382,8 +382,8 @@ class Batch:
         """The target's inputs for verifying `draft` over rows [0, n): a chain padded to `width` >= k + 1 tokens
         per row, or a token tree (node j at slot base + j, position base + its depth, seeing its ancestors). Rows
         joining the batch (`joining`, chains) come as a `Join` beside the others' chains, for the same forward."""
-        if self.joining is not None and (draft.tree is not None or not hasattr(self.target, "step_joined")):
-            self.settle()  # a tree's forward (or a runner without joined steps) reads the joining rows as others
+        if self.joining is not None and draft.tree is not None:
+            self.settle()  # a tree's forward reads the joining rows as others
         lens = self.lens[:n].copy()
         base = self.to_device(lens) - 1
         if self.joining is not None:  # the rows before the joining ones verify as a chain; those, beside them
@@ -433,15 +433,13 @@ class Batch:
     def joined(self) -> None:
         """The joining rows' round forward ran: their caches hold their prompts, which the prefix store takes."""
         j, self.joining = self.joining, None
-        if j is not None:
-            self._store(self.target, j.start, j.end, "target")
+        self._store(self.target, j.start, j.end, "target")
 
     def settle(self) -> None:
         """The joining rows' prefills end now, in a forward of their own."""
         j = self.joining
-        if j is not None:
-            self.forwards(self.target, j.start, j.done, self.cached[j.start: j.end])
-            self.joined()
+        self.forwards(self.target, j.start, j.done, self.cached[j.start: j.end])
+        self.joined()
 
     def accept(self, n: int, inputs: TargetInputs, verdict: Verdict, draft: Draft) -> torch.Tensor:
         """Rows [0, n) take their accepted tokens and the rule's next token into `seq` (a tree's accepted path's

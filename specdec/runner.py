@@ -157,15 +157,14 @@ class ModelRunner:
         """A step over rows [0, n) as `step` (it may have none) and, in the same forward, the rows `join` names:
         each weight is read once for both (the lean path; the generic one runs the two forwards in turn). Returns
         the step's logits [n, t, vocab] and the joining rows' at the columns `join.at` [m, w, vocab]."""
-        n = tokens.shape[0]
-        kv_len = min(kv_len, self.cache.max_len)
-        joined = (join.tokens, join.positions, min(join.kv_len, self.cache.max_len), join.start)
+        n, most = tokens.shape[0], self.cache.max_len
+        parts = ([(tokens, positions, min(kv_len, most), 0)] if n else []) \
+            + [(join.tokens, join.positions, min(join.kv_len, most), join.start)]
         if self.lean is not None:
-            hidden = llama.forward_parts(self.lean, self.cache, ([(tokens, positions, kv_len, 0)] if n else [])
-                                         + [joined])
+            hidden = llama.forward_parts(self.lean, self.cache, parts)
         else:
-            hidden = [forward_hidden(self.model, self.cache, *p[:2], p[3], p[3] + p[0].shape[0], p[2])
-                      for p in ([(tokens, positions, kv_len, 0)] if n else []) + [joined]]
+            hidden = [forward_hidden(self.model, self.cache, t, p, start, start + t.shape[0], kv)
+                      for t, p, kv, start in parts]
         step = self.logits(hidden[0]) if n else None
         return step, self.logits(hidden[-1].gather(1, join.at[:, :, None].expand(-1, -1, hidden[-1].shape[-1])))
 

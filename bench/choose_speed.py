@@ -17,10 +17,10 @@ import time
 import numpy as np
 
 from specdec.config import SpecConfig
-from specdec.costmodel import CostModel, Profile
-from specdec.policies import BatchView, PolicyEnv, RoundResult
-from specdec.policies.goodput import GoodputLength
-from specdec.batch import Slots
+from specdec.plan.costmodel import CostModel, Profile
+from specdec.plan.policies import BatchView, PolicyEnv, RoundResult
+from specdec.plan.policies.goodput import GoodputLength
+from specdec.sched.batch import Slots
 
 TOP = 8
 

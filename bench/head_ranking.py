@@ -24,7 +24,7 @@ from engine_speed import add_model_args, describe, load_bench_pair, make_engine 
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import SamplingParams  # noqa: E402
-from specdec.head import AcceptanceHead, auc, build_examples, weighted_bce  # noqa: E402
+from specdec.plan.head import AcceptanceHead, auc, build_examples, weighted_bce  # noqa: E402
 
 
 def main():

@@ -29,8 +29,8 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.rounds import Rounds  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.sched.rounds import Rounds  # noqa: E402
+from specdec.exec.runner import ModelRunner  # noqa: E402
 
 
 def counted(eng: SpecEngine, ids: list[list[int]], params: list[SamplingParams]) -> tuple[dict, int]:

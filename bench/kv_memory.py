@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
 
-from specdec import memory  # noqa: E402
-from specdec.cache import BLOCK, blocks_for  # noqa: E402
+from specdec.exec import memory  # noqa: E402
+from specdec.exec.cache import BLOCK, blocks_for  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
-from specdec.costmodel import pow2_at_least  # noqa: E402
+from specdec.plan.costmodel import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.models import ModelPair  # noqa: E402
-from specdec.rounds import Request  # noqa: E402
+from specdec.exec.models import ModelPair  # noqa: E402
+from specdec.sched.rounds import Request  # noqa: E402
 
 
 def meta_llama(layers: int, d: int, heads: int, kv_heads: int, intermediate: int):

@@ -5,7 +5,7 @@
 
 Per (batch, longest row, queries per row):
 - `dense`: SDPA over the engine's layout, `[rows, kv_heads, max_len, head_dim]` sliced to the longest row, a
-  boolean mask (specdec/cache.py; what every step does now);
+  boolean mask (specdec/exec/cache.py; what every step does now);
 - `gather`: SDPA over the rows' blocks gathered from a pool `[kv_heads, slots, head_dim]` by their block tables
   (index_select, then the same mask): a copy of every row's keys and values per layer per step;
 - `flex`: FlexAttention over the pool through torch's PagedAttention (page tables turned into a block mask,

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
 from prefix_speed import prompts, timed  # noqa: E402
 
-from specdec import memory  # noqa: E402
+from specdec.exec import memory  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 

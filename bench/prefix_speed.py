@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair, sync  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
-from specdec import memory  # noqa: E402
+from specdec.exec import memory  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.rounds import Rounds  # noqa: E402
+from specdec.sched.rounds import Rounds  # noqa: E402
 
 RULES = [
     "Write one product review per request, in plain English, between forty and eighty words.",

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from engine_models import noisy_copy, tiny_llama  # noqa: E402
 from test_memory import KeptGraphs, Peak, make_engine, prompts_of  # noqa: E402
 
-from specdec import llama, memory  # noqa: E402
-from specdec import runner as runner_mod  # noqa: E402
+from specdec.exec import llama, memory  # noqa: E402
+from specdec.exec import runner as runner_mod  # noqa: E402
 
 FUZZY = {"verification": "fuzzy", "fuzzy": {"divergence": "js", "threshold": 0.3}}
 AASD = {"prompt_lookup": {"alignment_sampling": 2}}

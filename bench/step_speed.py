@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.models import ModelPair  # noqa: E402
-from specdec.runner import ModelRunner  # noqa: E402
+from specdec.exec.models import ModelPair  # noqa: E402
+from specdec.exec.runner import ModelRunner  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields of each shape
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -104,7 +104,7 @@ def random_model(shape: str, device, dtype):
 def real_target(device, dtype_name: str):
     from engine_speed import TARGET
 
-    from specdec.models import load_model
+    from specdec.exec.models import load_model
     from workers.fetch import localize
     return load_model(localize(TARGET.model_copy(update={"dtype": dtype_name})), device)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_speed import add_model_args, describe, load_bench_pair, sync  # noqa: E402
 from policies import interpolate  # noqa: E402
 
-from specdec import grammar  # noqa: E402
+from specdec.spec import grammar  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 

@@ -3,7 +3,7 @@
 On every node, the job's model sources resolve; then workers of the job's shape (its resources, its
 tensor-parallel group) start, up to one per node and `num_workers`, and each checks its device, dtype,
 the weights' fit against the memory plan, one step on each path compared with eager (or, tensor-parallel,
-one lock-step call and the all-reduce's bandwidth) and the output prefix's storage (specdec/preflight.py,
+one lock-step call and the all-reduce's bandwidth) and the output prefix's storage (specdec/exec/preflight.py,
 workers/preflight.py). Checks that need a GPU say "n/a (no GPU)" on CPU. Nothing is written to the output
 but a probe object, deleted after; the workers' own logs, and Ray's own lines in this process (its warnings),
 go to the local cache folder.
@@ -16,7 +16,7 @@ import os
 import sys
 from collections import deque
 
-from specdec.preflight import row
+from specdec.exec.preflight import row
 
 from .manifest import JobError
 from .spec import ConfigError, JobSpec

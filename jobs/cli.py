@@ -153,7 +153,7 @@ def cmd_profile(args) -> int:
 def cmd_estimate(args) -> int:
     """Predict a finished job's throughput and cost at another batch size, draft-length policy or machine
     (a profile from `specbatch profile`), by replaying its recorded rows."""
-    from specdec.costmodel import Profile
+    from specdec.plan.costmodel import Profile
 
     from .estimate import estimate, job_rows
     from .report import Prices
@@ -195,8 +195,8 @@ def cmd_calibrate(args) -> int:
     """FSD's threshold for the job's pair on a sample of its prompts (the paper's protocol): the threshold whose
     divergence rule accepts what the lossless rule does at the best length, then steps up; prints the
     speed-quality points to choose `speculation.fuzzy.threshold` from."""
-    from specdec.calibrate import calibrate, format_points
-    from specdec.models import load_pair
+    from specdec.plan.calibrate import calibrate, format_points
+    from specdec.exec.models import load_pair
     from workers.fetch import localize
 
     from .train_head import collect_prompts

@@ -1,7 +1,7 @@
 """`specbatch profile` and `specbatch estimate`: what a job would cost at another batch size, under another
 draft-length policy, or on another machine.
 
-`profile` measures the pair's costs with the cost model goodput plans from (specdec/costmodel.py), every
+`profile` measures the pair's costs with the cost model goodput plans from (specdec/plan/costmodel.py), every
 verification width included, plus prefill per prompt token. `estimate` replays a finished job's rows
 through a profile: continuous batching of `batch_size` slots, longest prompt first (as the engine runs
 them); each round costs the profile's draft work for the round's longest draft plus one target forward
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.costmodel import Profile, best_length, bucket, expected_tokens
+from specdec.plan.costmodel import Profile, best_length, bucket, expected_tokens
 
 from .manifest import read_output
 
@@ -28,7 +28,7 @@ def profile_job(spec, out_path: str) -> Profile:
     import torch
 
     from specdec.engine import SpecEngine
-    from specdec.models import load_pair
+    from specdec.exec.models import load_pair
     from workers.fetch import localize
     from workers.spec import models_used
     from workers.worker import device_name

@@ -4,7 +4,7 @@ The target answers the job's prompts; along each answer the draft samples a toke
 (teacher-forced on the target's tokens) and the label is min(1, p/q); the head learns P(accept) from
 the draft's hidden state (by default the state that drew the token, plus q(token); `--reads fed`: the
 state after the token was fed back, with token mixing, as in the paper) and the weighted BCE of
-SpecDec++ (specdec/head.py). The draft stays frozen. Writes head.safetensors + head.json (settings and the held-out report).
+SpecDec++ (specdec/plan/head.py). The draft stays frozen. Writes head.safetensors + head.json (settings and the held-out report).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 from specdec.config import SpecConfig
 from specdec.engine import SpecEngine
-from specdec.head import HeadConfig, build_examples, train_head
-from specdec.models import load_pair
+from specdec.plan.head import HeadConfig, build_examples, train_head
+from specdec.exec.models import load_pair
 from workers.fetch import localize
 from workers.inputs import iter_rows, render_prompt
 from workers.storage import list_input_files

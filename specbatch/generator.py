@@ -106,7 +106,7 @@ class Generator:
         import torch
 
         from specdec.engine import SpecEngine
-        from specdec.models import load_pair
+        from specdec.exec.models import load_pair
         from workers.fetch import ModelPathError, localize
 
         self.spec = spec = generator_spec(config, **sections)

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .batch import Batch
+    from .sched.batch import Batch
     from .config import SpecConfig
-    from .policies import LengthPolicy, PolicyEnv
-    from .proposers.base import Proposer
-    from .runner import ModelRunner
-    from .verify import Rule
+    from .plan.policies import LengthPolicy, PolicyEnv
+    from .spec.proposers.base import Proposer
+    from .exec.runner import ModelRunner
+    from .spec.verify import Rule
 
-# coupled sampling's noise: 2 = Philox4x32-10 on the model's device (specdec/sampling.py `gumbel`), 1 = numpy's
+# coupled sampling's noise: 2 = Philox4x32-10 on the model's device (specdec/spec/sampling.py `gumbel`), 1 = numpy's
 # Philox-4x64 on the host. A coupled job's fingerprint holds it: another version draws other samples.
 COUPLED_NOISE_VERSION = 2
 
@@ -54,14 +54,14 @@ class Method:
         return s + 1 if s else 0
 
     def rule(self, spec: SpecConfig) -> Rule:
-        from .verify import ChainRule
+        from .spec.verify import ChainRule
 
         return ChainRule()
 
     def proposer(self, batch: Batch, spec: SpecConfig, policy: LengthPolicy, rule: Rule,
                  draft: ModelRunner | None) -> Proposer:
         """The batch's drafter; `draft`: the draft model's runner, for a method that runs one."""
-        from .proposers.base import Proposer
+        from .spec.proposers.base import Proposer
 
         return Proposer(batch)
 
@@ -77,13 +77,13 @@ class DraftModel(Method):
     settings = ("draft_vocab",)
 
     def rule(self, spec):
-        from .verify import ChainRule, FuzzyRule
+        from .spec.verify import ChainRule, FuzzyRule
 
         f = spec.fuzzy_rule
         return FuzzyRule(f.divergence, f.threshold) if f is not None else ChainRule()
 
     def proposer(self, batch, spec, policy, rule, draft):
-        from .proposers.draft_model import DraftModelProposer
+        from .spec.proposers.draft_model import DraftModelProposer
 
         return DraftModelProposer(batch, draft, policy, raw_q=rule.reads_raw_q)
 
@@ -97,13 +97,13 @@ class PromptLookup(Method):
         return spec.prompt_lookup.alignment_sampling
 
     def rule(self, spec):
-        from .verify import ConditionalRule, TreeRule
+        from .spec.verify import ConditionalRule, TreeRule
 
         c = spec.conditional_rule
         return ConditionalRule(*c) if c is not None else TreeRule()
 
     def proposer(self, batch, spec, policy, rule, draft):
-        from .proposers.prompt_lookup import PromptLookupProposer
+        from .spec.proposers.prompt_lookup import PromptLookupProposer
 
         return PromptLookupProposer(batch, spec.prompt_lookup, self.prompt_top_ids(spec))
 
@@ -113,17 +113,17 @@ METHODS: dict[str, Method] = {m.name: m for m in (Plain(), DraftModel(), PromptL
 
 @dataclass(frozen=True)
 class Policy:
-    """A draft-length policy: its class in specdec/policies and the settings it reads."""
+    """A draft-length policy: its class in specdec/plan/policies and the settings it reads."""
 
     name: str
-    cls: str  # its class, in specdec.policies
+    cls: str  # its class, in specdec.plan.policies
     doc: str
     settings: tuple[str, ...] = ()  # the speculation settings of its own that it reads
     needs_costs: bool = False  # plans from measured costs: the engine measures them before building it
     max_draft_tokens: int | None = None  # its own default bound (None: the config's)
 
     def build(self, spec: SpecConfig, env: PolicyEnv | None = None) -> LengthPolicy:
-        from . import policies
+        from .plan import policies
 
         return getattr(policies, self.cls)(spec, env)
 

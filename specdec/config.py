@@ -67,7 +67,7 @@ class JsonSchemaFormat(Config):
 
 class ResponseFormat(Config):
     """What the output must be, as the OpenAI API writes it (`text`, `json_object`, `json_schema`), or a regex
-    or a list of choices; the grammar masks both models (specdec/grammar.py)."""
+    or a list of choices; the grammar masks both models (specdec/spec/grammar.py)."""
 
     type: Literal["text", "json_object", "json_schema", "regex", "choice"] = Field(
         description="`text`: free; `json_object`: any JSON object; `json_schema`: the object `json_schema.schema` "

@@ -7,8 +7,8 @@ finished rows stop costing compute and the batch stays full.
 
 Built once per engine, from the method's entry (specdec/choices.py): the round's context (`RoundContext`: the
 verification rule, verify widths, the clock, stop sets, output formats, the draft limit), the draft-length policy
-(specdec/policies/, which keeps what it learns across calls) and the models' runners. Each round
-(specdec/rounds.py) drafts, verifies in one target forward and accepts; the prompt's last token is
+(specdec/plan/policies/, which keeps what it learns across calls) and the models' runners. Each round
+(specdec/sched/rounds.py) drafts, verifies in one target forward and accepts; the prompt's last token is
 the first pending token, so every emitted token comes from a round and `generated_tokens <=
 accepted_tokens + rounds` holds exactly; `method: none` is the same loop with k = 0.
 
@@ -16,7 +16,7 @@ The host keeps what it already knows (row lengths, draft lengths, the policy's K
 the device back once, at its end: no forward, draft step or policy waits on the GPU mid-round, except
 the draft steps of a policy that stops rows on the draft's own outputs (`LengthPolicy.stopper`). The
 models' KV caches belong to the engine and outlive `generate()` calls, so the CUDA graphs captured on
-them do too (specdec/runner.py); on a GPU their size comes from a memory plan (specdec/memory.py).
+them do too (specdec/exec/runner.py); on a GPU their size comes from a memory plan (specdec/exec/memory.py).
 """
 
 from __future__ import annotations
@@ -28,21 +28,22 @@ from collections.abc import Callable
 
 import torch
 
-from . import llama, memory, profiler
-from .batch import Batch
-from .cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
+from .exec import llama, memory
+from .plan import profiler
+from .sched.batch import Batch
+from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
-from .costmodel import CostModel, Profile, VerifyWidths
-from .prefix import Prefixes, admission_order, shared_blocks, shared_tokens
-from .grammar import Constraints, GrammarError, Grammars
-from .models import ModelPair
-from .policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
-from .rounds import Request, RoundContext, Rounds, SyntheticRounds
-from .runner import ModelRunner
-from .stops import StopStrings
-from .tp import TPRunner
-from .verify import CoupledRule
+from .plan.costmodel import CostModel, Profile, VerifyWidths
+from .exec.prefix import Prefixes, admission_order, shared_blocks, shared_tokens
+from .spec.grammar import Constraints, GrammarError, Grammars
+from .exec.models import ModelPair
+from .plan.policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
+from .sched.rounds import Request, RoundContext, Rounds, SyntheticRounds
+from .exec.runner import ModelRunner
+from .sched.stops import StopStrings
+from .exec.tp import TPRunner
+from .spec.verify import CoupledRule
 
 
 # rows whose first this many prefix blocks are the same are admitted together (`SpecEngine.admission_order`)
@@ -63,13 +64,13 @@ class SpecEngine:
     """Generation over a model pair. `fast_path=False` runs every model through transformers' own modules
     (no lean Llama forward, no CUDA graphs); `step_graphs` overrides where steps replay captured graphs
     (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
-    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/memory.py); `profile`: measured
-    costs to plan from instead of measuring them (specdec/costmodel.py); `clock`: what rounds are timed by (a test
+    `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/exec/memory.py); `profile`: measured
+    costs to plan from instead of measuring them (specdec/plan/costmodel.py); `clock`: what rounds are timed by (a test
     may drive a fake one). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
-    for later rows (specdec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
+    for later rows (specdec/exec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
-    to hold (specdec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
+    to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
     whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
@@ -108,7 +109,7 @@ class SpecEngine:
             name: model_kv_bytes(model) for name, model in self._models().items()
             if not (name == "target" and pair.tp is not None)}) if prefix_caching else None
         max_draft = self.method.max_draft(spec)
-        # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/memory.py)
+        # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/exec/memory.py)
         self.graph_width = max_draft + 1
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
         self.need: memory.Need | None = None  # what the memory plan counted for the last batch
@@ -121,13 +122,13 @@ class SpecEngine:
             clock=clock, stop_ids=stop_ids, stop_strings=StopStrings(pair.tokenizer),
             grammars=Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(stop_ids))), max_draft=max_draft)
         self.needs_costs = POLICIES[spec.draft_length].needs_costs and max_draft > 0
-        self.profile = profile  # measured costs (specdec/costmodel.py); measured on first need if None
+        self.profile = profile  # measured costs (specdec/plan/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it
 
     @torch.inference_mode()
     def measure_costs(self) -> LengthPolicy:
         """The engine's length policy, built once. One that plans from costs (goodput) gets its cost model: from
-        the profile given to the engine, or one measured now on synthetic rows (specdec/profiler.py; seconds,
+        the profile given to the engine, or one measured now on synthetic rows (specdec/plan/profiler.py; seconds,
         once per engine: a job's worker pays it when it loads its models). generate() calls it."""
         if self.policy is not None:
             return self.policy
@@ -145,7 +146,7 @@ class SpecEngine:
 
     @torch.inference_mode()
     def measure_profile(self, every_width: bool = False) -> Profile:
-        """The costs of this engine's rounds, measured now on synthetic rows of 64 tokens (specdec/profiler.py);
+        """The costs of this engine's rounds, measured now on synthetic rows of 64 tokens (specdec/plan/profiler.py);
         `every_width`: every verification width, not only those a length could win at."""
         policy = FixedLength(self.spec)  # drafts on demand: rows joining are prefilled in the draft
         batch = self.new_batch(self.batch_size, 64 + self.spec.max_nodes + 2, policy)
@@ -201,7 +202,7 @@ class SpecEngine:
         """Slots the engine allocates per row for rows of `slots` slots: room to grow, rounded up to a quarter of
         a power of two (at most 1.25x; caches that grow take a few sizes per doubling), and one more (the slot
         that padded positions are clamped into), but never past the models' positions: every slot's position has
-        a RoPE table entry (specdec/llama.py). The one length both the allocation and the memory plan count."""
+        a RoPE table entry (specdec/exec/llama.py). The one length both the allocation and the memory plan count."""
         return max(slots, min(memory.quarter_steps(slots) + 1, self.max_positions))
 
     def plan_check(self) -> None:
@@ -316,7 +317,7 @@ class SpecEngine:
 
     @property
     def step_path(self) -> str:
-        """How the target's steps run: 'graphs', 'lean' or 'generic' (specdec/runner.py); '+eager-fallback' when
+        """How the target's steps run: 'graphs', 'lean' or 'generic' (specdec/exec/runner.py); '+eager-fallback' when
         some shapes of any model fell back from the fast path."""
         runner = self._runners.get("target")
         if runner is not None:
@@ -465,7 +466,7 @@ class SpecEngine:
     def admission_order(self, requests: list[Request], todo: list[int]) -> list[int]:
         """The order rows are admitted in. Longest first: similar lengths run together and the long tail does not
         trail at the end; with prefix caching, rows that share their first `CLUSTER_BLOCKS` prefix blocks run
-        together first (specdec/prefix.py). A prompt's samples stay together, so that they join together and share
+        together first (specdec/exec/prefix.py). A prompt's samples stay together, so that they join together and share
         its prefill."""
         if self.prefix is None:
             return sorted(todo, key=lambda i: (-len(requests[i].prompt), requests[i].group))

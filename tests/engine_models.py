@@ -11,9 +11,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.config import SamplingParams, SpecConfig
-from specdec.costmodel import Profile
+from specdec.plan.costmodel import Profile
 from specdec.engine import SpecEngine
-from specdec.models import ModelPair
+from specdec.exec.models import ModelPair
 
 MAX_NEW = 24  # new tokens per row in the engine tests (the `reference` fixture's length)
 

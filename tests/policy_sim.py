@@ -4,10 +4,10 @@ with given rates (chains) or per width (token trees). Used by tests/test_goodput
 import numpy as np
 
 from specdec.config import SpecConfig
-from specdec.costmodel import CostModel, Profile
-from specdec.policies import BatchView, PolicyEnv, RoundResult
-from specdec.policies.goodput import GoodputLength
-from specdec.batch import Slots
+from specdec.plan.costmodel import CostModel, Profile
+from specdec.plan.policies import BatchView, PolicyEnv, RoundResult
+from specdec.plan.policies.goodput import GoodputLength
+from specdec.sched.batch import Slots
 
 
 def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:

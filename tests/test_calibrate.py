@@ -1,4 +1,4 @@
-"""FSD calibration (specdec/calibrate.py, `specbatch calibrate`): the matched threshold accepts what the lossless
+"""FSD calibration (specdec/plan/calibrate.py, `specbatch calibrate`): the matched threshold accepts what the lossless
 rule accepts, the thresholds step up from it, and each gives a speed-quality point from real engine runs."""
 
 import json
@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from engine_models import noisy_copy, pair, tiny_llama
-from specdec.calibrate import calibrate, teacher_forced, thresholds
+from specdec.plan.calibrate import calibrate, teacher_forced, thresholds
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 

@@ -45,7 +45,7 @@ def test_prompt_lookup_is_lossless_and_accepts(target, prompts):
 
 
 def test_lookup_takes_latest_longest_match():
-    from specdec.proposers.prompt_lookup import NgramPool
+    from specdec.spec.proposers.prompt_lookup import NgramPool
 
     def lookup(seq, k, max_ngram, min_ngram):
         starts = NgramPool(max_ngram, min_ngram).lookup(list(seq))
@@ -100,13 +100,13 @@ def test_draft_length_policies_stay_lossless(target, drafts, prompts, reference)
 
 
 def test_mismatched_pair_refused(target):
-    from specdec.models import PairMismatchError, check_vocab
+    from specdec.exec.models import PairMismatchError, check_vocab
     with pytest.raises(PairMismatchError, match="output sizes differ"):
         check_vocab(target, tiny_llama(vocab=50), None, None)
 
 
 def test_verify_widths_explore_then_pad_only_when_measured_cheaper():
-    from specdec.costmodel import TUNING, VerifyWidths
+    from specdec.plan.costmodel import TUNING, VerifyWidths
 
     w = VerifyWidths(max_width=9)
     assert w.choose(1, 1) == 1  # a plain decoding step is never padded

@@ -12,7 +12,7 @@ from job_helpers import config, rows_of
 from jobs.driver import run_job
 from jobs.estimate import measured, replay
 from jobs.spec import load_spec
-from specdec.costmodel import Profile
+from specdec.plan.costmodel import Profile
 
 
 def flat_profile(per_round: float = 1.0, per_width: float = 0.0) -> Profile:

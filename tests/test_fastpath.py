@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine_models import DEVICE, MAX_NEW, flat_profile, noisy_copy, pair
-from specdec import llama
-from specdec.cache import PagedKVCache, RaggedKVCache, blocks_for, forward_hidden
+from specdec.exec import llama
+from specdec.exec.cache import PagedKVCache, RaggedKVCache, blocks_for, forward_hidden
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.runner import ModelRunner
+from specdec.exec.runner import ModelRunner
 
 def ragged_inputs(seed=0, n=3):
     """A prefill of 20 tokens per row, then a 3-token step at ragged lengths 20, 15, 9."""
@@ -117,7 +117,7 @@ def test_while_rows_decode_rows_join_within_one_chunk_in_the_rounds_forward(targ
     join one round apart in a chunk of 32. Transformers' tokens."""
     from engine_models import engine
 
-    from specdec.batch import Batch
+    from specdec.sched.batch import Batch
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (30, 28, 26, 25, 22, 20)]  # admission order
@@ -211,7 +211,7 @@ def test_fast_paths_give_transformers_greedy_output(target, prompts, method, gra
 def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, monkeypatch, fault):
     """The first step of each shape on the fast path is checked against eager: a capture that raises or
     non-finite logits sends that shape to eager (same greedy tokens, '+eager-fallback'); a sound one stays."""
-    from specdec import graphs, runner
+    from specdec.exec import graphs, runner
     seen = []
     spec = SpecConfig(method="draft_model", num_draft_tokens=3, draft_length="fixed")
     sp = SamplingParams(max_new_tokens=MAX_NEW)
@@ -236,7 +236,7 @@ def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, monk
 def test_mismatch_tells_a_broken_step_from_rounding():
     """The first-step check passes what rounding explains (per position, relative to eager's logits) and
     refuses a step off by much more, or non-finite."""
-    from specdec.runner import mismatch
+    from specdec.exec.runner import mismatch
     ref = torch.randn(4, 3, 500, generator=torch.Generator().manual_seed(0))
     assert mismatch(ref + 1e-5 * torch.randn(ref.shape), ref) is None
     assert "differ" in mismatch(ref + 0.01 * torch.randn(ref.shape), ref)  # float32: 1e-3

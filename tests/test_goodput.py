@@ -7,9 +7,9 @@ import pytest
 from engine_models import MAX_NEW, check_stats, pair, run
 from policy_sim import drive, drive_trees, policy, table_profile, tree_policy
 from specdec.config import SamplingParams, SpecConfig
-from specdec.costmodel import TUNING, CostModel, Profile, VerifyWidths, expected_tokens
+from specdec.plan.costmodel import TUNING, CostModel, Profile, VerifyWidths, expected_tokens
 from specdec.engine import SpecEngine
-from specdec.policies import BatchView, RoundResult
+from specdec.plan.policies import BatchView, RoundResult
 
 
 def best_length(cost: dict[int, float], rate: float) -> int:
@@ -33,7 +33,7 @@ def test_profile_predicts_rounds_and_round_trips_json(tmp_path):
 def test_profile_times_only_lengths_that_could_win():
     """A longer length is timed only if it could win at an optimistic 0.8 acceptance at the cost of the
     widest width timed so far (a round never gets cheaper by drafting more)."""
-    from specdec.profiler import worth_timing
+    from specdec.plan.profiler import worth_timing
     # tokens per round at 0.8: K=1 1.8, K=2 2.44. Compute-bound: a draft step costs 1.5 plain rounds
     slow = Profile(draft_one={1: 1.5}, draft_two={1: 3.0}, target={1: {1: 1.0, 2: 1.0}})
     assert not worth_timing(slow, 1, 2)  # 2.44 / (3.0 + 1.0) < 1 token per plain round
@@ -203,7 +203,7 @@ def test_a_slowdown_during_a_few_timings_biases_no_width(target, drafts, monkeyp
     """The machine runs 3x slower for the profile's first four target timings (another process, say): the
     first two widths' back-to-back samples all fall in it, but every width is timed once more after all of
     them, so each keeps its own cost (here its width, on the engine's clock)."""
-    from specdec.rounds import Rounds
+    from specdec.sched.rounds import Rounds
     now, widths = [0.0], []
     verify = Rounds.verify
 
@@ -229,7 +229,7 @@ def test_rows_joining_while_goodput_is_off_skip_the_draft_prefill(target, drafts
     round feeds them whole. With the target as its own draft every drafted token must then be accepted
     (a wrong draft cache would propose other tokens), and output stays equal to plain greedy. Rounds run
     on a clock that ticks once per round: every length costs the same, so drafting always pays."""
-    from specdec.proposers.draft_model import DraftModelProposer
+    from specdec.spec.proposers.draft_model import DraftModelProposer
     ticks = iter(range(1 << 20))
     eng = SpecEngine(pair(target, drafts[kind]), SamplingParams(max_new_tokens=MAX_NEW),
                      SpecConfig(max_draft_tokens=4), batch_size=3,

@@ -13,7 +13,7 @@ import yaml
 from engine_models import pair as make_pair, noisy_copy, tiny_llama
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.head import AcceptanceHead, HeadConfig, auc, train_head, weighted_bce
+from specdec.plan.head import AcceptanceHead, HeadConfig, auc, train_head, weighted_bce
 
 
 def test_weighted_bce_matches_formula():
@@ -142,7 +142,7 @@ def test_proposing_head_is_lossless_and_saves_the_extra_draft_forward(tmp_path):
 
 
 def test_proposing_examples_read_the_state_that_drew_the_token():
-    from specdec.head import build_examples
+    from specdec.plan.head import build_examples
 
     target = tiny_llama(seed=0)
     draft = noisy_copy(target, 0.05)
@@ -164,7 +164,7 @@ def test_proposing_examples_read_the_state_that_drew_the_token():
 def test_proposing_head_starts_from_the_draft_confidence():
     """Untrained, a proposing head ranks tokens exactly as q(x) does, whatever the draft state: training
     refines the draft's own confidence instead of starting from noise."""
-    from specdec.head import AcceptanceHead, proposing_features
+    from specdec.plan.head import AcceptanceHead, proposing_features
 
     head = AcceptanceHead(HeadConfig(hidden_size=32, reads="proposing"))
     g = torch.Generator().manual_seed(0)

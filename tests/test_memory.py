@@ -1,9 +1,9 @@
-"""The memory plan (specdec/memory.py) against what the engine really allocates, and rows that would index
+"""The memory plan (specdec/exec/memory.py) against what the engine really allocates, and rows that would index
 past the models' position table.
 
 What a run allocates is measured, not computed: `Peak` records every tensor storage created while it is on
 (caches, captured steps' buffers, activations, the batch's buffers) and the most bytes alive at once. On a
-GPU a captured step keeps its outputs until its key runs again (specdec/graphs.py); on a CPU `StepGraphs`
+GPU a captured step keeps its outputs until its key runs again (specdec/exec/graphs.py); on a CPU `StepGraphs`
 keeps the same static inputs and recomputes the outputs, so `KeptGraphs` keeps each key's last outputs too,
 as a graph would. Device figures are injected through `SpecEngine.device_memory`, so a CPU drives the plan.
 """
@@ -18,13 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from engine_models import noisy_copy, pair, flat_profile, tiny_llama
-from specdec import llama, memory
-from specdec import runner as runner_mod
-from specdec.cache import BLOCK
+from specdec.exec import llama, memory
+from specdec.exec import runner as runner_mod
+from specdec.exec.cache import BLOCK
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.graphs import StepGraphs
-from specdec.rounds import Rounds
+from specdec.exec.graphs import StepGraphs
+from specdec.sched.rounds import Rounds
 
 GiB = memory.GiB
 
@@ -181,7 +181,7 @@ def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs):
 
 def test_the_prefill_estimate_bounds_a_measured_prefill(models):
     """The activation formula against one measured forward of each kind, within 2x above it."""
-    from specdec.cache import RaggedKVCache
+    from specdec.exec.cache import RaggedKVCache
     target = models["target"]
     shape = memory.Shape.of(target)
     for rows, tokens, kv, logits in [(4, 100, 100, "none"), (4, 100, 100, "top_ids"), (1, 500, 500, "none"),
@@ -322,7 +322,7 @@ def test_what_cannot_fit_one_row_is_refused_with_the_figures(models):
                                                      r"resources.gpu_memory_fraction 0.9 of 8.0 GiB leaves 0.00 GiB.*"
                                                      r"generation.max_new_tokens"):
         eng.plan_check()
-    from specdec.preflight import memory_fit
+    from specdec.exec.preflight import memory_fit
     assert memory_fit(eng)["ok"] is False and " 0 rows of a 1-token prompt" in memory_fit(eng)["result"]
     figures = budget_for(eng, 1, [100])
     eng.device_memory = lambda: figures

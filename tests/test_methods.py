@@ -8,11 +8,11 @@ import torch
 from pydantic import ValidationError
 
 from engine_models import noisy_copy, pair, tiny_llama
-from specdec.batch import Slots
+from specdec.sched.batch import Slots
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.sampling import Rows
-from specdec.trees import tree_inputs, verify_tree
+from specdec.spec.sampling import Rows
+from specdec.spec.trees import tree_inputs, verify_tree
 
 NEW = 40
 
@@ -150,7 +150,7 @@ def test_pool_merges_every_occurrence_into_one_tree():
     shared prefixes once, the latest occurrence's chain first; s bounds the siblings per node, 0 the chain."""
     from types import SimpleNamespace
     from specdec.config import PromptLookupConfig
-    from specdec.proposers.prompt_lookup import PromptLookupProposer
+    from specdec.spec.proposers.prompt_lookup import PromptLookupProposer
 
     tokens = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]  # "1 2" is followed by 3 9 1 / 4 9 1 / 3 5 1
     prop = PromptLookupProposer(SimpleNamespace(rows=[SimpleNamespace(tokens=tokens)], slots=Slots(1, "cpu")),
@@ -173,7 +173,7 @@ def test_prompt_lookup_reach_is_the_text_after_the_match():
     occurrence of the matched n-gram; a tree, after the earliest; nothing where no n-gram occurred."""
     from types import SimpleNamespace
     from specdec.config import PromptLookupConfig
-    from specdec.proposers.prompt_lookup import PromptLookupProposer
+    from specdec.spec.proposers.prompt_lookup import PromptLookupProposer
 
     rows = [SimpleNamespace(tokens=[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]), SimpleNamespace(tokens=[7, 8])]
     prop = PromptLookupProposer(SimpleNamespace(rows=rows, slots=Slots(2, "cpu")),
@@ -195,7 +195,7 @@ def test_aasd_under_goodput_is_target_greedy(target, repeating, greedy, bs):
 def test_alignment_top_ids_are_each_rows_own(target, prompts):
     """Alignment sampling's top ids from a ragged prefill (the output head over each row's own positions only):
     the target's own top ids after each prefix of each prompt, and 0 past a row's length."""
-    from specdec.policies.simple import FixedLength
+    from specdec.plan.policies.simple import FixedLength
 
     eng = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=4),
                      SpecConfig(method="prompt_lookup", prompt_lookup={"alignment_sampling": 2}), batch_size=4)

@@ -96,7 +96,7 @@ def test_fetched_model_loads_as_the_local_folder(tiny_pair, tiny_on_s3, cache):
     import torch
 
     from specdec.config import TargetSource
-    from specdec.models import load_model
+    from specdec.exec.models import load_model
     from workers.fetch import localize
 
     src = localize(TargetSource(path=URI, dtype="float32"))

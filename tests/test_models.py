@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from jobs.spec import ConfigError, parse_spec
-from specdec import models
+from specdec.exec import models
 from specdec.config import ModelSource
-from specdec.models import load_model, resolve_dtype
+from specdec.exec.models import load_model, resolve_dtype
 
 
 def test_named_dtypes_and_unknown_refused():

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_models import DEVICE
-from specdec import sampling
+from specdec.spec import sampling
 
 U32 = 0xFFFFFFFF
 ALPHA = 1e-6  # each distribution test's false-failure probability

@@ -1,4 +1,4 @@
-"""The paged KV cache (specdec/cache.py): blocks reserved and freed by rows, and the engine's output over it equal
+"""The paged KV cache (specdec/exec/cache.py): blocks reserved and freed by rows, and the engine's output over it equal
 to transformers' and to the dense cache's, on every path a step can take (float32)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from engine_models import MAX_NEW, engine, flat_profile, pair, tiny_llama
-from specdec.cache import BLOCK, PagedKVCache
+from specdec.exec.cache import BLOCK, PagedKVCache
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.prefix import PrefixStore
-from specdec.rounds import Rounds
+from specdec.exec.prefix import PrefixStore
+from specdec.sched.rounds import Rounds
 
 
 def test_rows_reserve_blocks_release_them_and_move_by_their_table():

@@ -1,4 +1,4 @@
-"""Prefix caching's store (specdec/prefix.py), a prefill that goes on after reused slots, and a prefill in chunks."""
+"""Prefix caching's store (specdec/exec/prefix.py), a prefill that goes on after reused slots, and a prefill in chunks."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine_models import tiny_llama
-from specdec.cache import RaggedKVCache
-from specdec.prefix import PrefixStore
-from specdec.runner import ModelRunner
+from specdec.exec.cache import RaggedKVCache
+from specdec.exec.prefix import PrefixStore
+from specdec.exec.runner import ModelRunner
 
 
 def runner(model, rows=4, max_len=128, lean=True) -> ModelRunner:
@@ -209,7 +209,7 @@ def forward_sizes(monkeypatch, steps: bool = False) -> list[int]:
     """The tokens (rows x columns) of every prefill forward from now on, the prompt tokens (rows x the most columns
     before the pending token) that joining rows end their prefills with in a round's forward, and the tokens of
     every step with `steps`."""
-    from specdec.runner import ModelRunner
+    from specdec.exec.runner import ModelRunner
 
     sizes: list[int] = []
     for name in ("prefill", "step") if steps else ("prefill",):
@@ -245,13 +245,13 @@ def test_a_prefill_in_chunks_keeps_transformers_tokens(target, drafts, prompts, 
 
 
 def test_top_ids_from_a_prefill_in_chunks_are_the_whole_prefills(target, prompts):
-    """Alignment sampling's top ids at every prompt position (specdec/batch.py's chunk loop gathers each forward's):
+    """Alignment sampling's top ids at every prompt position (specdec/sched/batch.py's chunk loop gathers each forward's):
     the same ids, zero past each row's length, as one forward over the whole admission."""
     from engine_models import pair
     from specdec.config import SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
-    from specdec.policies.simple import FixedLength
-    from specdec.batch import Row
+    from specdec.plan.policies.simple import FixedLength
+    from specdec.sched.batch import Row
 
     out = []
     for chunk in (None, 5):
@@ -269,10 +269,10 @@ def test_a_draft_catching_up_on_whole_rows_does_it_in_chunks(target, drafts, pro
     drafting round feeds them whole. With a chunk of 8 tokens the draft fills its cache in forwards of at most 8
     tokens and steps the last token alone: the same last logits and the same cache as one forward (float32)."""
     from engine_models import pair
-    from specdec.batch import Row
+    from specdec.sched.batch import Row
     from specdec.config import SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
-    from specdec.policies.simple import FixedLength
+    from specdec.plan.policies.simple import FixedLength
 
     sizes = forward_sizes(monkeypatch, steps=True)
     out = {}
@@ -300,10 +300,10 @@ def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monke
     store holds of their prompts when the draft catches up, and compute only the rest: the same last logits as a
     catch-up without a store (float32)."""
     from engine_models import pair
-    from specdec.batch import Row
+    from specdec.sched.batch import Row
     from specdec.config import SampleResult, SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
-    from specdec.policies.simple import FixedLength
+    from specdec.plan.policies.simple import FixedLength
 
     computed = forward_sizes(monkeypatch, steps=True)  # tokens of the models' forwards (a prefill or a step)
     prompts = shared_prompts(4, shared=48)
@@ -332,7 +332,7 @@ def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monke
 
 
 def test_admission_runs_rows_of_one_prefix_together_longest_cluster_first():
-    from specdec.prefix import admission_order
+    from specdec.exec.prefix import admission_order
 
     a, b = [1] * 8, [2] * 8
     prompts = [a + [5], b + [9, 9, 9], a + [3, 3], [7, 7], b + [4], a + [5]]
@@ -342,7 +342,7 @@ def test_admission_runs_rows_of_one_prefix_together_longest_cluster_first():
 
 
 def test_the_shared_tokens_are_the_most_blocks_rows_running_together_share():
-    from specdec.prefix import shared_tokens
+    from specdec.exec.prefix import shared_tokens
 
     a, b = list(range(40)), list(range(100, 200))  # 2 whole 16-token blocks, and 6
     prompts = [a + [i] for i in range(3)] + [b + [i] for i in range(3)] + [[7] * 50]
@@ -359,7 +359,7 @@ def test_rows_of_two_instructions_each_compute_theirs_once_when_the_store_holds_
     holds one instruction's blocks: the rows of one instruction run together, so each instruction is computed once
     and every other row takes its nine blocks; greedy tokens equal transformers'."""
     from engine_models import engine
-    from specdec.cache import model_kv_bytes
+    from specdec.exec.cache import model_kv_bytes
 
     g = torch.Generator().manual_seed(3)
     heads = [torch.randint(0, 96, (144,), generator=g).tolist() for _ in range(2)]
@@ -376,10 +376,10 @@ def test_alignment_top_ids_come_with_a_stored_prefix(target):
     kept with its blocks and compute the rest, the same ids as a prefill without a store; a block stored by a
     prefill that did not compute ids is not matched by one that needs them, and gets them when such a row stores."""
     from engine_models import pair
-    from specdec.batch import Row
+    from specdec.sched.batch import Row
     from specdec.config import SampleResult, SamplingParams, SpecConfig
     from specdec.engine import SpecEngine
-    from specdec.policies.simple import FixedLength
+    from specdec.plan.policies.simple import FixedLength
 
     prompts = shared_prompts(4, shared=40)
     off, on = (SpecEngine(pair(target, None), SamplingParams(max_new_tokens=4), SpecConfig(

@@ -14,7 +14,7 @@ import pytest
 from job_helpers import TEXTS, config, write_jsonl
 from jobs.driver import run_job
 from jobs.spec import ConfigError, load_spec
-from specdec.stops import StopStrings
+from specdec.sched.stops import StopStrings
 
 
 def parts(folder) -> dict:

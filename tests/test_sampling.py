@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engine_models import pair, tiny_llama
-from specdec import sampling
+from specdec.spec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.batch import RowSettings, Slots
+from specdec.sched.batch import RowSettings, Slots
 
 V, NEW, N = 8, 3, 4000
 PROMPT = [1, 5, 2, 7]
@@ -174,7 +174,7 @@ def test_one_scan_gives_the_argmax_and_the_non_finite_check():
     """`scan` replaces argmax + isfinite(all logits): the same argmax (first of ties), and a position is
     flagged where a NaN or +inf sits anywhere or every logit is -inf; a -inf among finite ones (a masked
     token) is not."""
-    from specdec.verify import scan
+    from specdec.spec.verify import scan
     logits = torch.randn(3, 4, 1000, generator=torch.Generator().manual_seed(0))
     logits[0, 0, 10] = logits[0, 0, 20] = logits[0, 0].max() + 1  # a tie: the first wins, as argmax's
     logits[0, 1, 5] = float("nan")

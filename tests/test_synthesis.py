@@ -12,11 +12,11 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine_models import flat_profile, noisy_copy, tiny_llama
-from specdec import sampling
+from specdec.spec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.grammar import Grammars
-from specdec.models import ModelPair
+from specdec.spec.grammar import Grammars
+from specdec.exec.models import ModelPair
 from test_sampling import noise_bound, tv
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
@@ -224,7 +224,7 @@ def test_a_vocabulary_of_whole_mask_words_is_constrained(bpe, prompts):
 
 
 def test_n_samples_share_a_prefill_and_are_distinct_reproducible_draws(bpe, prompts, monkeypatch):
-    from specdec.runner import ModelRunner
+    from specdec.exec.runner import ModelRunner
     prefilled = []
     prefill = ModelRunner.prefill
 

@@ -14,7 +14,7 @@ from jobs.driver import run_job
 from jobs.report import Prices, build
 from jobs.spec import load_spec
 from specdec.config import TargetSource
-from specdec.shard import check_shardable, load_shard
+from specdec.exec.shard import check_shardable, load_shard
 
 ROWS = 12
 
@@ -140,7 +140,7 @@ def _reduce(rank: int, port: int, out) -> None:
 
     import torch.distributed as dist
 
-    from specdec.tp import Group
+    from specdec.exec.tp import Group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -157,7 +157,7 @@ def test_all_reduces_keep_bf16_and_sum_float16_in_float32():
     """bf16 goes over the wire as bf16 (half float32's bytes); float16 is summed in float32; float32 stays."""
     import torch.multiprocessing as mp
 
-    from specdec.tp import reduce_dtype
+    from specdec.exec.tp import reduce_dtype
     assert reduce_dtype(torch.bfloat16) == torch.bfloat16 and reduce_dtype(torch.float16) == torch.float32
     assert reduce_dtype(torch.float32) == torch.float32
     from workers.group import _free_port

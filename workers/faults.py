@@ -12,7 +12,7 @@ reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook i
 - `SPECBATCH_FAULT_OOM_ROWS=N`: `oom_rows()`; a worker's batches of more than N rows run out of memory.
 - `SPECBATCH_FAULT_FASTPATH=raise|nan`: `install_engine_hooks()` (in each worker) makes the first step of every
   shape on the fast path fail (raise: capture or compilation fails; nan: non-finite logits), through
-  specdec/graphs.py's `fault` hook; on CPU the worker then takes the static steps, to have them fail.
+  specdec/exec/graphs.py's `fault` hook; on CPU the worker then takes the static steps, to have them fail.
 - `SPECBATCH_STORAGE_FAULTS="put:2,get:1"`: `storage(kind)` is true for the next N storage calls of that kind
   (put, get, head, list, delete) in this process, which then fail as a transient error would (workers/storage.py).
 """
@@ -69,7 +69,7 @@ def install_engine_hooks() -> None:
     """Set specdec's own hooks from this process's environment (SPECBATCH_FAULT_FASTPATH)."""
     mode = os.environ.get("SPECBATCH_FAULT_FASTPATH")
     if mode:
-        from specdec import graphs
+        from specdec.exec import graphs
 
         graphs.fault = lambda key: mode
 

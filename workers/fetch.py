@@ -170,7 +170,7 @@ def _s3_files(uri: str, sizes: dict[str, int], gguf_file: str | None, key: str) 
         return {**meta, gguf_file: top[gguf_file]}
     weights = {n: s for n, s in top.items() if n.endswith(".safetensors")}
     if not weights:
-        from specdec.models import PICKLES
+        from specdec.exec.models import PICKLES
 
         pickles = sorted(n for n in top if n.endswith(PICKLES))
         ggufs = sorted(n for n in top if n.endswith(".gguf"))

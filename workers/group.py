@@ -24,7 +24,7 @@ import sys
 import threading
 
 from specdec.config import TargetSource
-from specdec.memory import out_of_memory
+from specdec.exec.memory import out_of_memory
 
 from . import faults, logs
 from .spec import ResourcesSpec
@@ -44,7 +44,7 @@ class RankActor:
 
     def join(self, rank: int, world: int, address: str, target: dict, use_gpu: bool, timeout_s: float,
              binding: tuple[str, int] | None = None) -> dict:
-        from specdec import shard, tp
+        from specdec.exec import shard, tp
 
         device = _device(use_gpu, binding)
         group = tp.Group.join(rank, world, address, device, timeout_s)
@@ -69,11 +69,11 @@ class RankActor:
 def start(target: TargetSource, resources: ResourcesSpec):
     """Rank 0 (inside the worker actor): start ranks 1..N-1 (`target.tensor_parallel`) in this actor's placement
     group, each asking Ray for what a worker does (`resources`), join them, load this rank's slice. Returns
-    (specdec.tp.Rank, layout: one dict per rank)."""
+    (specdec.exec.tp.Rank, layout: one dict per rank)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from specdec import shard, tp
+    from specdec.exec import shard, tp
 
     world, timeout_s, gpus = target.tensor_parallel, resources.group_timeout_s, resources.gpus_per_worker
     use_gpu = gpus > 0

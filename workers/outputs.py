@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
 from specdec.config import Config, SampleResult, SamplingParams
-from specdec.stops import cut_at_stop
+from specdec.sched.stops import cut_at_stop
 
 from .requests import openai_response
 

@@ -1,6 +1,6 @@
 """A node's preflight on the workers' side (`specbatch check`): the models' sources resolve there, and the
 output prefix takes a conditional (create-only) PUT and a ranged GET of a probe object, deleted after.
-Checks are specdec/preflight.py's dicts: `check`, `result`, `ok`.
+Checks are specdec/exec/preflight.py's dicts: `check`, `result`, `ok`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import socket
 import uuid
 
-from specdec.preflight import row
+from specdec.exec.preflight import row
 
 from .spec import models_used
 from .storage import open_input, open_storage

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from specdec.config import SampleResult, SamplingParams
-from specdec.memory import out_of_memory
+from specdec.exec.memory import out_of_memory
 
 from . import faults
 from .inputs import InputSpec, Record, render_prompt
@@ -73,7 +73,7 @@ def generate_fitting(engine, prompts: list[list[int]], keys: list[str], params: 
             raise RuntimeError(f"CUDA out of memory (injected: more than {inject} rows)")
         return engine.generate(prompts, keys, truncate=truncate, on_round=on_round, params=params)
     except Exception as exc:
-        from specdec.tp import GroupBroken
+        from specdec.exec.tp import GroupBroken
 
         if isinstance(exc, GroupBroken) and out_of_memory(exc):  # the group restarts, its batches halved
             from .group import note_oom

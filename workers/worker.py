@@ -37,7 +37,7 @@ class GenerationWorker:
         import torch
 
         from specdec.engine import SpecEngine
-        from specdec.models import load_pair
+        from specdec.exec.models import load_pair
 
         logs.to_file(os.environ.get("SPECBATCH_WORKER_LOGS"))  # quiet by default: our output goes to a log file
         logs.setup(os.environ.get("SPECBATCH_LOG_LEVEL", "warning"))  # the driver's --log-level
@@ -92,7 +92,7 @@ class GenerationWorker:
 
     def check(self) -> list[dict]:
         """Preflight (`specbatch check`): this worker's devices, its engine's checks, its output's storage."""
-        from specdec.preflight import engine_checks, row
+        from specdec.exec.preflight import engine_checks, row
 
         from .preflight import storage_probe
         return ([row("worker devices", f"{self.devices:g} x {self.device_name}", True)]
@@ -170,7 +170,7 @@ class GenerationWorker:
 def _group_guard():
     """A tensor-parallel call that failed leaves the ranks out of step: end this process, so that Ray restarts
     the worker with a fresh group and retries its shard (workers/group.py)."""
-    from specdec.tp import GroupBroken
+    from specdec.exec.tp import GroupBroken
 
     try:
         yield

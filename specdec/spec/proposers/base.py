@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ..batch import Batch
+    from ...sched.batch import Batch
     from ..sampling import Draws, Rows
 
 
 @dataclass
 class Tree:
-    """The shape of a token-tree draft (specdec/trees.py); node 0 is the row's pending token."""
+    """The shape of a token-tree draft (specdec/spec/trees.py); node 0 is the row's pending token."""
 
     parent: torch.Tensor  # [n, T] each node's parent (0: the pending token)
     depth: torch.Tensor  # [n, T] each node's depth (1: a child of the pending token)
@@ -31,12 +31,12 @@ class Draft:
     tree: Tree | None = None  # None: each row's tokens are a chain
     forwards: int = 0  # draft-model forwards run for this round (the whole batch takes part)
     non_finite: torch.Tensor | None = None  # [n] bool: the draft's logits for the row held NaN or inf
-    # what relaxed rules read (specdec/verify.py): nodes conditional verification may pass (taken from the
+    # what relaxed rules read (specdec/spec/verify.py): nodes conditional verification may pass (taken from the
     # prompt), and the draft's raw distributions that fuzzy verification compares with the target's
     relaxed: torch.Tensor | None = None  # [n, T] bool
     raw_q: torch.Tensor | None = None  # [n, T, vocab]
     host_tokens: np.ndarray | None = None  # [n, T] `tokens` on the host, where the proposer has them
-    allowed: torch.Tensor | None = None  # [n, T+1, vocab] bool: the output formats' masks (specdec/grammar.py)
+    allowed: torch.Tensor | None = None  # [n, T+1, vocab] bool: the output formats' masks (specdec/spec/grammar.py)
     host_depth: np.ndarray | None = None  # [n] host: each row's depth (None: chains, whose depth is `lengths`)
 
     @property

@@ -6,8 +6,8 @@ other tensors, other processes; the engine's current caches and captured steps c
 allocation replaces them):
 - the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: rounded up, at most 1.25x, and
   one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
-  (specdec/cache.py): its pool's slots instead, and its block tables;
-- captured steps (specdec/graphs.py): each key the runner can capture keeps its static inputs and outputs
+  (specdec/exec/cache.py): its pool's slots instead, and its block tables;
+- captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
   (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
   working memory of one step;
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from .cache import blocks_for, model_kv_shape
-from .costmodel import pow2_at_least
+from ..plan.costmodel import pow2_at_least
 
 GiB = 1 << 30
 STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)
-TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/runner.py)
+TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/exec/runner.py)
 ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order
 # counts two), verification, the draft's distributions
 
@@ -73,7 +73,7 @@ class Shape:
 
     def forward(self, rows: int, tokens: int, kv: int, logits: str = "none", top_ids: int = 0,
                 additive_mask: bool = True, paged: bool = False) -> int:
-        """Peak bytes one lean forward (specdec/llama.py; the generic path is taken as alike) holds besides the
+        """Peak bytes one lean forward (specdec/exec/llama.py; the generic path is taken as alike) holds besides the
         caches: `rows` rows of `tokens` tokens over `kv` slots. In the model's dtype, per token, in every layer: the
         fused q/k/v ((heads + 2 kv_heads) hd), the roped q, its grouped copy and the attention's output (3 heads
         hd), the roped k (kv_heads hd), RoPE's cos and sin (2 hd); with the residual (d) while attention runs, and at
@@ -116,7 +116,7 @@ def quarter_steps(n: int) -> int:
 
 
 def row_buckets(rows: int) -> list[int]:
-    """The row counts steps of up to `rows` rows are padded to (specdec/runner.py): powers of two, and `rows`."""
+    """The row counts steps of up to `rows` rows are padded to (specdec/exec/runner.py): powers of two, and `rows`."""
     return sorted({min(1 << j, rows) for j in range(rows.bit_length() + 1)})
 
 
@@ -157,7 +157,7 @@ class Need:
     kv: int  # KV caches and the batch's token buffer
     graphs: int  # captured steps: kept inputs and outputs, and one step's working memory
     activations: int  # the largest forward (a prefill, a catch-up) or round
-    pool: int | None = None  # a paged cache's slots (specdec/cache.py); None: dense rows x max_len
+    pool: int | None = None  # a paged cache's slots (specdec/exec/cache.py); None: dense rows x max_len
 
     @property
     def total(self) -> int:
@@ -185,7 +185,7 @@ class MemoryPlan:
     prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
-    paged: bool = False  # the caches are paged (specdec/cache.py): attention gathers what it reads
+    paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads
     held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (SpecEngine.generate)
     slack: int = GiB // 2
 
@@ -236,7 +236,7 @@ class MemoryPlan:
 
     def keys(self, rows: int, max_len: int) -> dict[str, set[tuple]]:
         """Per model whose steps are captured, every key (rows, width, window, all positions) a runner over caches
-        of `rows` rows x `max_len` slots can capture (specdec/runner.py)."""
+        of `rows` rows x `max_len` slots can capture (specdec/exec/runner.py)."""
         windows = kv_buckets(max_len, self.kv_bucket)
         return {role.name: {(r, w, kv, not last) for r in row_buckets(rows) for w, last in role.step_kinds(self.width)
                             for kv in windows} for role in self.roles if role.graphs}

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import sampling
+from ..spec import sampling
 
 if TYPE_CHECKING:
-    from .config import SamplingParams
+    from ..config import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One model's forwards over its ragged KV cache: prefill, and the steps a round repeats.
 
 Two paths behind one interface:
-- the lean path, for Llama-family models (specdec/llama.py): one function of plain tensors; on a GPU
+- the lean path, for Llama-family models (specdec/exec/llama.py): one function of plain tensors; on a GPU
   every step (verification, draft steps, the draft's catch-up) replays a CUDA graph captured per
   (row bucket, width, cache-length bucket), with the decoder layer compiled. Rows are padded to a
   power of two (junk rows compute on free cache rows; their results are dropped) and the attention
@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from . import graphs as graphs_mod
 from . import llama
 from .cache import KVCache, forward_hidden
-from .costmodel import pow2_at_least
+from ..plan.costmodel import pow2_at_least
 from .graphs import StepGraphs, compiled_layer
 
 if TYPE_CHECKING:
-    from .batch import Join
+    from ..sched.batch import Join
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()  # fallback reasons already logged by this process
@@ -52,7 +52,7 @@ class ModelRunner:
                  lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None):
         """`lean`: use the lean forward where the model allows it. `graphs`: replay captured steps (default:
         on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly). `weights`:
-        the lean weights to run (a tensor-parallel shard, specdec/tp.py) instead of the model's own."""
+        the lean weights to run (a tensor-parallel shard, specdec/exec/tp.py) instead of the model's own."""
         self.model = model
         self.cache = cache
         self.head_weight = head_weight
@@ -85,7 +85,7 @@ class ModelRunner:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
         junk past their length, masked until overwritten). `offsets` [end - start] (host): row i's tokens go at
         positions offsets[i].. instead, after the slots its cache row already holds (a reused prefix,
-        specdec/prefix.py; a prefill in chunks, specdec/batch.py). With `top_ids` > 0, returns the model's
+        specdec/exec/prefix.py; a prefill in chunks, specdec/sched/batch.py). With `top_ids` > 0, returns the model's
         `top_ids` most likely next ids at every given token [end - start, t, top_ids], computed where the token's
         column < lengths[row] (None: every column) and 0 past it."""
         if offsets is not None:
@@ -127,7 +127,7 @@ class ModelRunner:
         """Forward rows [0, n) (tokens, positions [n, t]; every position < kv_len). Returns logits at every
         position [n, t, vocab] and the hidden states [n, t, d]; or, given `last` [n], each row's logits
         [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
-        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/trees.py;
+        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/spec/trees.py;
         it runs eagerly)."""
         n, t = tokens.shape
         kv_len = min(kv_len, self.cache.max_len)

@@ -10,7 +10,7 @@ target's cache):
 A round reads the device back once, at the end of `verify` (`Readback`); everything the host needs before that
 (lengths, K) it already knows. What every round reads (the rule, verify widths, the clock, stop sets, output
 formats, the draft limit) is a `RoundContext` the engine builds once. Rows with an output format
-(specdec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
+(specdec/spec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
 target reads those in the next round's forward, which then starts up to `lag` tokens before each row's pending
 token. While rows decode, rows join within one `prefill_chunk` of prompt tokens, and their prefill ends in the next
 round's target forward, beside the other rows' verification (`Batch.target_inputs`' `Join`): the decoding rows wait
@@ -27,16 +27,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from . import sampling
+from ..spec import sampling
 from .batch import Batch, Row, sync
-from .config import SampleResult, SamplingParams, row_seed
-from .costmodel import VerifyWidths
-from .grammar import Grammars
-from .policies import BatchView, LengthPolicy, RoundResult
-from .proposers.base import Draft, Tree
-from .sampling import Draws, Rows
+from ..config import SampleResult, SamplingParams, row_seed
+from ..plan.costmodel import VerifyWidths
+from ..spec.grammar import Grammars
+from ..plan.policies import BatchView, LengthPolicy, RoundResult
+from ..spec.proposers.base import Draft, Tree
+from ..spec.sampling import Draws, Rows
 from .stops import StopStrings
-from .verify import Rule, scan
+from ..spec.verify import Rule, scan
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ class Rounds:
 
 
 class SyntheticRounds:
-    """The parts of a round on synthetic rows, each run then undone, for the start-up profile (specdec/profiler.py
+    """The parts of a round on synthetic rows, each run then undone, for the start-up profile (specdec/plan/profiler.py
     times them): every row repeats a 16-token pattern (prompt lookup finds full drafts in it; a model's cost does
     not depend on the tokens) `context` tokens long, and is cut back to that after every call, so each call runs at
     the same length and leaves nothing behind."""

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ..config import SpecConfig
+    from ...config import SpecConfig
     from ..costmodel import CostModel
-    from ..batch import Slots
+    from ...sched.batch import Slots
 
 
 @dataclass

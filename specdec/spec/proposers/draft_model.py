@@ -19,14 +19,14 @@ import numpy as np
 import torch
 
 from .. import sampling
-from ..cache import PagedKVCache
+from ...exec.cache import PagedKVCache
 from ..verify import scan
 from .base import Draft, Proposer
 
 if TYPE_CHECKING:
-    from ..batch import Batch
-    from ..policies import LengthPolicy
-    from ..runner import ModelRunner
+    from ...sched.batch import Batch
+    from ...plan.policies import LengthPolicy
+    from ...exec.runner import ModelRunner
     from ..sampling import Draws, Rows
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelSource
+from ..config import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ModelPair:
     tokenizer: object  # a transformers tokenizer (the target's)
     stop_token_ids: tuple[int, ...]  # the target's EOS ids
     vocab_size: int  # logits columns both models share
-    tp: object | None = None  # a tensor-parallel target: rank 0's specdec.tp.Rank (`target` is its slice)
+    tp: object | None = None  # a tensor-parallel target: rank 0's specdec.exec.tp.Rank (`target` is its slice)
 
     @property
     def device(self) -> torch.device:
@@ -152,7 +152,7 @@ def check_vocab(target, draft, target_tok, draft_tok) -> int:
 def load_pair(target: ModelSource, draft: ModelSource | None = None,
               device: str | torch.device = "cpu", tp=None) -> ModelPair:
     """Load the target (and draft), check they share a vocabulary, and collect the stop ids. `tp`: rank 0 of
-    a tensor-parallel target (specdec.tp.Rank), whose slice stands for the target."""
+    a tensor-parallel target (specdec.exec.tp.Rank), whose slice stands for the target."""
     target_model = load_model(target, device) if tp is None else tp.shard
     target_tok = _try_tokenizer(target)
     draft_model = None

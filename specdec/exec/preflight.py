@@ -35,7 +35,7 @@ def engine_checks(engine) -> list[dict]:
 
 
 def memory_fit(engine) -> dict:
-    """Whether the weights leave room for a batch, by the job's memory plan (specdec/memory.py)."""
+    """Whether the weights leave room for a batch, by the job's memory plan (specdec/exec/memory.py)."""
     plan = engine.memory_plan()
     if plan is None:
         return row("memory plan", NO_GPU, None)

@@ -5,7 +5,7 @@ positions that follow each of its occurrences, updated as tokens are accepted (`
 n-grams ending at each new token, never a rescan). Plain prompt lookup drafts the continuation of the
 latest occurrence of the longest suffix n-gram that hits (down to `min_ngram`).
 
-AASD (`alignment_sampling` = s > 0) makes the draft a token tree (specdec/trees.py) with at most s
+AASD (`alignment_sampling` = s > 0) makes the draft a token tree (specdec/spec/trees.py) with at most s
 siblings per node (the length policy may ask for fewer in a round: `siblings`, 0 = the chain alone)
 and at most (1 + s) nodes per level of depth. The continuations of every occurrence merge into one
 tree, shared prefixes once, the latest occurrence's chain first (the paper's pool). Then alignment
@@ -25,8 +25,8 @@ import numpy as np
 from .base import Draft, Proposer, Tree
 
 if TYPE_CHECKING:
-    from ..batch import Batch
-    from ..config import PromptLookupConfig
+    from ...sched.batch import Batch
+    from ...config import PromptLookupConfig
 
 
 class NgramPool:

@@ -6,7 +6,7 @@ set. `calibrate` does so on a sample of prompts:
    every position gives Div(p, q) of their raw distributions (as FSD's rule reads them) and the
    lossless rule's chance of accepting the draft's token there (greedy: argmax q = argmax p; sampling:
    sum min(p, q) of the processed distributions);
-2. the best length K for that acceptance from the engine's measured costs (specdec/costmodel.py);
+2. the best length K for that acceptance from the engine's measured costs (specdec/plan/costmodel.py);
 3. the matched threshold T0: the one under which the divergence rule alone accepts as many tokens as
    the lossless rule does (the acceptance-rate quantile of the divergences); then thresholds stepping
    up, each accepting `step` more of the tokens;
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import sampling
-from .config import SamplingParams, SpecConfig
+from ..spec import sampling
+from ..config import SamplingParams, SpecConfig
 from .costmodel import best_length, bucket, expected_tokens
-from .engine import SpecEngine
-from .verify import divergence
+from ..engine import SpecEngine
+from ..spec.verify import divergence
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .config import ResponseFormat
+    from ..config import ResponseFormat
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ runs again). All graphs share one memory pool: they never run at the same time. 
 object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
 buffer and padding logic where no GPU is.
 
-`compiled_layer()` is the lean decoder layer (specdec/llama.py) with its two halves around the attention
+`compiled_layer()` is the lean decoder layer (specdec/exec/llama.py) with its two halves around the attention
 through `torch.compile`, which fuses their elementwise work (norms, RoPE, activations) into a few kernels;
 every layer of every Llama-family model in the process shares them. The cache writes and the attention
 run eagerly between them (inside a graph that costs no launches): inductor's CUDA attention lowering over a
@@ -30,7 +30,7 @@ _COMPILED: dict[str, Callable] = {}
 _SIDE: dict[int, torch.cuda.Stream] = {}  # side_stream()'s, by device index
 
 # test hook (workers/faults.py sets it): called with a step's key the first time a fast step of that key runs
-# (specdec/runner.py); returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
+# (specdec/exec/runner.py); returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
 # non-finite). None: off.
 fault: Callable[[tuple], str | None] | None = None
 

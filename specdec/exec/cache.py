@@ -6,7 +6,7 @@ keys/values over slots `[0, kv_len)` to attend over (`read`). The slot of a toke
 keeps its own length; rolling back rejected draft tokens is lowering a row's length in the engine: stale slots are
 masked out and overwritten next round, nothing is recomputed. Rows leave by swap-remove (`move_row`), so the active
 rows stay `[0, n)`. The buffers never move, which is what CUDA-graph capture needs (an engine keeps its caches
-across `generate()` calls, specdec/runner.py).
+across `generate()` calls, specdec/exec/runner.py).
 
 - `RaggedKVCache` (dense): one `[rows, kv_heads, max_len, head_dim]` pair per layer; every row takes `max_len` slots.
 - `PagedKVCache`: one pool `[blocks * BLOCK, kv_heads, head_dim]` pair per layer and a block table `[rows,
@@ -15,7 +15,7 @@ across `generate()` calls, specdec/runner.py).
   block mid-round, and `release`s them when it leaves. Table entries a row does not own point at block 0, a
   scratch block that padding writes into and that is always masked. Attention reads the window's blocks gathered
   into rows (SDPA over gathered blocks). Whole blocks of slots no row writes again (a prompt's cached prefix) are
-  shared by reference: a block counts its holders (rows, and the prefix store, specdec/prefix.py, that `pin`s it)
+  shared by reference: a block counts its holders (rows, and the prefix store, specdec/exec/prefix.py, that `pin`s it)
   and is free when none is left; a prompt's samples (`copy_row`) and rows whose prefix the store holds take such
   blocks instead of copies, and a row reserves only the blocks it writes.
 """
@@ -188,7 +188,7 @@ class RaggedKVCache(KVCache):
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For rows [0, n): slot dst[i, j] takes what slot src[i, j] holds ([n, j] index tensors; every source is
-        read before any destination is written). Keeps a token tree's accepted path (specdec/trees.py)."""
+        read before any destination is written). Keeps a token tree's accepted path (specdec/spec/trees.py)."""
         n, j = src.shape
         rows = torch.arange(n, device=src.device)[:, None]
         for buf in (*self.k, *self.v):
@@ -386,7 +386,7 @@ def forward_hidden(model, cache: KVCache, input_ids: torch.Tensor, positions: to
 
     `kv_len` > every position (the caller knows the rows' lengths). Padding tokens (beyond a row's real
     input) get positions past its length; they write slots that are masked now and overwritten before
-    they are ever read. Positions are clamped into the buffer. A token tree (specdec/trees.py) gives the
+    they are ever read. Positions are clamped into the buffer. A token tree (specdec/spec/trees.py) gives the
     `slots` its tokens are written at (default: their positions) and its `mask` [n, 1, t, kv_len].
     """
     positions = positions.clamp(max=cache.max_len - 1)

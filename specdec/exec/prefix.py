@@ -6,11 +6,11 @@ compared on a match, so a hash collision costs a miss, never a wrong token. A ro
 stored blocks from its first token, within the tokens its prefill would cache; the row's cache rows take those
 slots by copy and only the rest of its prompt is computed (`ModelRunner.prefill(offsets=)`). A target's block also
 keeps the model's most likely next ids at its positions when its prefill computed them (alignment sampling,
-specdec/proposers/prompt_lookup.py); a row that needs them matches only blocks that have them. The store is kept by
+specdec/spec/proposers/prompt_lookup.py); a row that needs them matches only blocks that have them. The store is kept by
 the engine across `generate()` calls, bounded in bytes and evicted least recently used, deepest blocks first (a
 prefix's first blocks serve every row that shares any of it).
 
-Over a paged cache (specdec/cache.py) the store keeps no copies: a stored block is the pool block the row that
+Over a paged cache (specdec/exec/cache.py) the store keeps no copies: a stored block is the pool block the row that
 computed it wrote, pinned there (`attach`); rows whose prompt begins with stored blocks hold those blocks by reference
 from the time they join (`lookup`), and reserve only the blocks they write. A pinned block that no row holds is
 reclaimed, least recently used first, when joining rows need blocks (`reclaim`); one that rows hold is never evicted

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import trees
-from .config import SampleResult, SamplingParams
-from .sampling import Rows
+from ..spec import trees
+from ..config import SampleResult, SamplingParams
+from ..spec.sampling import Rows
 
 if TYPE_CHECKING:
-    from .grammar import Constraints
-    from .prefix import Prefixes
-    from .proposers.base import Draft, Proposer
-    from .runner import ModelRunner
-    from .tp import TPRunner
-    from .verify import Verdict
+    from ..spec.grammar import Constraints
+    from ..exec.prefix import Prefixes
+    from ..spec.proposers.base import Draft, Proposer
+    from ..exec.runner import ModelRunner
+    from ..exec.tp import TPRunner
+    from ..spec.verify import Verdict
 
 
 class Slots:
@@ -221,7 +221,7 @@ class Batch:
 
     proposer: Proposer  # set once the batch exists (a proposer keeps per-row state of it)
     constraints: Constraints | None = None  # the rows' output formats, when some row may have one
-    prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/prefix.py), when prefix caching is on
+    prefixes: Prefixes | None = None  # the engine's prefix stores (specdec/exec/prefix.py), when prefix caching is on
     prefill_chunk: int | None = None  # most prompt tokens (rows x tokens) one prefill forward takes; None: all
     slack: int | None = None  # slots a row may hold past its prompt and max_new_tokens (the draft's); None: max_len
     joining: Joining | None = None  # rows whose prefill's tail waits for the next round's forward
@@ -271,7 +271,7 @@ class Batch:
     def prefill(self, runner: ModelRunner, start: int, end: int, model: str = "draft",
                 done: np.ndarray | None = None) -> np.ndarray:
         """Cache all but the pending token of rows [start, end) after the `done` slots each holds already (None:
-        none), taking what `model`'s prefix store holds of them (specdec/prefix.py); returns their cached lengths."""
+        none), taking what `model`'s prefix store holds of them (specdec/exec/prefix.py); returns their cached lengths."""
         self._prefill(runner, start, end, model, done=done)
         return self.lens[start:end] - 1
 

@@ -1,4 +1,4 @@
-"""Measuring a cost profile (specdec/costmodel.py) by timing the engine's own round parts on synthetic rows
+"""Measuring a cost profile (specdec/plan/costmodel.py) by timing the engine's own round parts on synthetic rows
 (`rounds.SyntheticRounds`, handed in as `Workload`).
 
 For every batch-size bucket up to the batch size: the draft's work for a round of one and of two drafts, and
@@ -66,7 +66,7 @@ def measure(work: Workload, batch_size: int, max_draft: int, draft_model: bool, 
                 break
             target[w], shapes[w] = best(lambda: work.verify(n, w)), None
         deep = max(target) - 1  # the longest chain that could win
-        if siblings and deep:  # the widest tree of that depth: trees' widths lie between (specdec/costmodel.py)
+        if siblings and deep:  # the widest tree of that depth: trees' widths lie between (specdec/plan/costmodel.py)
             w = 1 + deep * (1 + siblings)
             target[w], shapes[w] = best(lambda: work.verify(n, w, deep)), deep
         for w, depth in shapes.items():  # once more each, after all the others

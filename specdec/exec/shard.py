@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from . import llama
-from .config import ModelSource
+from ..config import ModelSource
 from .models import _check_weights, _local, resolve_dtype
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .config import SamplingParams
+    from ..config import SamplingParams
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """goodput: each round, the one draft length K (0 = no speculation) that maximises the batch's expected
-emitted tokens per second under the cost model (specdec/costmodel.py).
+emitted tokens per second under the cost model (specdec/plan/costmodel.py).
 
 One K for all rows: a round costs what its longest row costs (draft steps and verification run the
 batch as one tensor), and a longer draft never lowers a row's expected tokens. Acceptance is what

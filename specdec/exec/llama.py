@@ -3,7 +3,7 @@
 The same arithmetic as transformers' modules (RMSNorm in float32, rotate-half RoPE, SDPA attention),
 written as one function of plain tensors with static shapes: no Python branches on data, no host
 reads, no allocation that depends on values. That is what lets a step be compiled whole
-(`torch.compile(fullgraph=True)`) and captured as a CUDA graph (specdec/graphs.py).
+(`torch.compile(fullgraph=True)`) and captured as a CUDA graph (specdec/exec/graphs.py).
 
 Weights are the transformers model's own: q/k/v and gate/up are concatenated once into fused
 matrices, and the model's parameters become views into them, so nothing is held twice and the
@@ -196,9 +196,9 @@ def layer_forward(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: to
                   mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
                   pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
     """Decoder layer `index` over a window of cache rows: x [n, t, d] -> [n, t, d]. Writes the rows' keys and
-    values where `kv` (the cache's view of this forward, specdec/cache.py) puts them and attends over the slots it
+    values where `kv` (the cache's view of this forward, specdec/exec/cache.py) puts them and attends over the slots it
     reads (kv_len = mask.shape[-1]). `pre` (norm, q/k/v, RoPE) and `post` (o_proj, MLP) may be compiled versions
-    (specdec/graphs.py): the cache writes and the attention stay outside them, so no compiled code sees the cache's
+    (specdec/exec/graphs.py): the cache writes and the attention stay outside them, so no compiled code sees the cache's
     or the mask's lengths."""
     q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
     kv.write(index, k, v)
@@ -249,7 +249,7 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     Token j of row i is written at slot positions[i, j] (clamped into the cache's rows) and attends to slots
     0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn`
     runs each layer (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
-    function serves them all). A token tree (specdec/trees.py) gives the `slots` its tokens are written at
+    function serves them all). A token tree (specdec/spec/trees.py) gives the `slots` its tokens are written at
     (default: their positions) and its own `mask` [n, 1, t, >= kv_len].
     """
     n = tokens.shape[0]

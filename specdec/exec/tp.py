@@ -1,12 +1,12 @@
-"""Tensor-parallel targets: N processes (ranks) each hold a slice of the target (specdec/shard.py) and run
+"""Tensor-parallel targets: N processes (ranks) each hold a slice of the target (specdec/exec/shard.py) and run
 every target forward together, in lock-step, driven by rank 0.
 
 Rank 0 runs everything else as on one device: the draft, the proposer, verification, the length policy.
-Its target runner (`TPRunner`) has specdec/runner.py's interface; each call it gets (allocate, prefill,
+Its target runner (`TPRunner`) has specdec/exec/runner.py's interface; each call it gets (allocate, prefill,
 step, a cache row move) is sent to the other ranks, then run on its own slice. A call's name and its
 arguments' shapes go over a CPU (gloo) group; the tensors themselves (token ids, positions, cache slots,
 a tree's mask: never activations) over the device group, NCCL on GPUs, so rank 0 never waits on its GPU
-to send them. Every rank then runs the same lean forward (specdec/llama.py) on its slice, with all-reduces
+to send them. Every rank then runs the same lean forward (specdec/exec/llama.py) on its slice, with all-reduces
 after the row-parallel projections (in bf16 where the model computes in bf16, as vLLM's are; float16 is
 summed in float32, which cannot overflow), and gathers the logits' vocabulary slices. The other
 ranks run `Rank.serve`: rank 0's calls, in order, until `stop`.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import llama
-from .batch import Join
+from ..sched.batch import Join
 from .cache import RaggedKVCache, WholeRows
 from .runner import ModelRunner
 from .shard import ShardedModel
@@ -189,7 +189,7 @@ class Rank:
 
 
 class TPRunner:
-    """Rank 0's target runner: specdec/runner.py's interface, every call run by the whole group. `key` names its
+    """Rank 0's target runner: specdec/exec/runner.py's interface, every call run by the whole group. `key` names its
     KV caches on every rank (an engine's: reallocating replaces them)."""
 
     def __init__(self, rank: Rank, rows: int, max_len: int, key: int):

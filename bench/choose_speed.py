@@ -20,7 +20,7 @@ from specdec.config import SpecConfig
 from specdec.plan.costmodel import CostModel, Profile
 from specdec.plan.policies import BatchView, PolicyEnv, RoundResult
 from specdec.plan.policies.goodput import GoodputLength
-from specdec.sched.batch import Slots
+from specdec.sched.slots import Slots
 
 TOP = 8
 
@@ -46,7 +46,7 @@ def simulate(n: int, s: int, rounds: int, cached: bool = True, seed: int = 0) ->
     pol = GoodputLength(spec, PolicyEnv(costs=CostModel(profile), row_tokens=64, siblings=s))
     if not cached:
         pol.costs._base = Forgetful()
-    slots = Slots(n, "cpu")
+    slots = Slots(n, 1, "cpu")
     pol.attach(slots)
     slots.admit(0, n)
     gen = np.random.default_rng(seed)

@@ -7,7 +7,7 @@
 Held-out chat prompts (bench/prompts.py, 30-60 tokens; `--prompts synthesis`: the ~1,000-token rows of
 bench/prefix_speed.py, prefix caching on) run through a batch smaller than the job; each row's max_new_tokens lies
 between a quarter of `--max-new` and all of it, so that rows end at different rounds (as EOS ends them in real jobs)
-and others join as they do. For each method the two settings (`Rounds.join_prefills`), each with its own engine (a
+and others join as they do. For each method the two settings (`SpecEngine(join_prefills=...)`), each with its own engine (a
 draft-length policy learns from its engine's rounds alone), alternate over the repeats in one process:
 prints tokens/s, the ratio joined/apart (median and range), the target forwards of each, and whether the tokens are
 the same.
@@ -29,7 +29,6 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.sched.rounds import Rounds  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 
 
@@ -79,16 +78,14 @@ def main():
         spec = dict(ALIASES.get(method, {"method": method}))
         engines, runs = {}, {True: [], False: []}
         for join in runs:  # an engine per setting: a draft-length policy learns from its own rounds alone
-            Rounds.join_prefills = join
             engines[join] = SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), SpecConfig(**spec),
-                                       batch_size=args.batch, prefix_caching=args.prompts == "synthesis")
+                                       batch_size=args.batch, prefix_caching=args.prompts == "synthesis",
+                                       join_prefills=join)
             engines[join].measure_costs()
             engines[join].generate(ids[:2])  # warm: kernels, allocator, cache sizes
         for _ in range(args.repeats):
             for join in runs:
-                Rounds.join_prefills = join
                 runs[join].append(counted(engines[join], ids, params))
-        Rounds.join_prefills = True
         ratios = [a[0]["tok_s"] / b[0]["tok_s"] for a, b in zip(runs[True], runs[False])]
         med = {j: statistics.median(r[0]["tok_s"] for r in runs[j]) for j in runs}
         same = all(r[0]["tokens"] == runs[True][0][0]["tokens"] for j in runs for r in runs[j])

@@ -35,7 +35,7 @@ from engine_speed import add_model_args, describe, load_bench_pair  # noqa: E402
 from specdec.exec import memory  # noqa: E402
 from specdec.exec.cache import BLOCK, blocks_for  # noqa: E402
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
-from specdec.plan.costmodel import pow2_at_least  # noqa: E402
+from specdec.exec.graphs import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.exec.models import ModelPair  # noqa: E402
 from specdec.sched.rounds import Request  # noqa: E402

@@ -119,7 +119,7 @@ def timed(eng: SpecEngine, ids: list[list[int]], params: list[SamplingParams] | 
         eng.prefix.clear()
     most = []
     real = Rounds.round
-    Rounds.round = lambda self: (most.append(self.batch.n), real(self))[1]  # the rows each round runs
+    Rounds.round = lambda self, *a: (most.append(self.batch.n), real(self, *a))[1]  # the rows each round runs
     try:
         sync(eng.device)
         t = time.perf_counter()

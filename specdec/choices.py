@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sched.batch import Batch
     from .config import SpecConfig
+    from .exec.prefill import Prefiller
     from .plan.policies import LengthPolicy, PolicyEnv
+    from .sched.slots import Slots
+    from .spec.grammar import Constraints
     from .spec.proposers.base import Proposer
-    from .exec.runner import ModelRunner
     from .spec.verify import Rule
 
 # coupled sampling's noise: 2 = Philox4x32-10 on the model's device (specdec/spec/sampling.py `gumbel`), 1 = numpy's
@@ -58,12 +59,13 @@ class Method:
 
         return ChainRule()
 
-    def proposer(self, batch: Batch, spec: SpecConfig, policy: LengthPolicy, rule: Rule,
-                 draft: ModelRunner | None) -> Proposer:
-        """The batch's drafter; `draft`: the draft model's runner, for a method that runs one."""
+    def proposer(self, slots: Slots, spec: SpecConfig, policy: LengthPolicy, rule: Rule, draft: Prefiller | None,
+                 vocab_size: int, constraints: Constraints | None) -> Proposer:
+        """The drafter of a batch's rows (`slots`); `draft`: the prefills of the draft model's cache, for a method
+        that runs one; `vocab_size`: the target's; `constraints`: the rows' output formats (None: no row has one)."""
         from .spec.proposers.base import Proposer
 
-        return Proposer(batch)
+        return Proposer(slots)
 
 
 class Plain(Method):
@@ -82,10 +84,10 @@ class DraftModel(Method):
         f = spec.fuzzy_rule
         return FuzzyRule(f.divergence, f.threshold) if f is not None else ChainRule()
 
-    def proposer(self, batch, spec, policy, rule, draft):
+    def proposer(self, slots, spec, policy, rule, draft, vocab_size, constraints):
         from .spec.proposers.draft_model import DraftModelProposer
 
-        return DraftModelProposer(batch, draft, policy, raw_q=rule.reads_raw_q)
+        return DraftModelProposer(slots, draft, policy, vocab_size, constraints, raw_q=rule.reads_raw_q)
 
 
 class PromptLookup(Method):
@@ -102,10 +104,10 @@ class PromptLookup(Method):
         c = spec.conditional_rule
         return ConditionalRule(*c) if c is not None else TreeRule()
 
-    def proposer(self, batch, spec, policy, rule, draft):
+    def proposer(self, slots, spec, policy, rule, draft, vocab_size, constraints):
         from .spec.proposers.prompt_lookup import PromptLookupProposer
 
-        return PromptLookupProposer(batch, spec.prompt_lookup, self.prompt_top_ids(spec))
+        return PromptLookupProposer(slots, spec.prompt_lookup, self.prompt_top_ids(spec))
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (Plain(), DraftModel(), PromptLookup())}

@@ -28,21 +28,23 @@ from collections.abc import Callable
 
 import torch
 
-from .exec import llama, memory
-from .plan import profiler
-from .sched.batch import Batch
-from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
-from .plan.costmodel import CostModel, Profile, VerifyWidths
-from .exec.prefix import Prefixes, admission_order, shared_blocks, shared_tokens
-from .spec.grammar import Constraints, GrammarError, Grammars
+from .exec import llama, memory
+from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
 from .exec.models import ModelPair
-from .plan.policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
-from .sched.rounds import Request, RoundContext, Rounds, SyntheticRounds
+from .exec.prefill import Prefiller
+from .exec.prefix import Prefixes, admission_order, shared_blocks, shared_tokens
 from .exec.runner import ModelRunner
-from .sched.stops import StopStrings
 from .exec.tp import TPRunner
+from .plan import profiler
+from .plan.costmodel import CostModel, Profile, VerifyWidths
+from .plan.policies import FixedLength, LengthPolicy, NoDrafts, PolicyEnv
+from .sched.batch import Batch
+from .sched.rounds import Request, RoundContext, Rounds, SyntheticRounds
+from .sched.slots import Slots
+from .sched.stops import StopStrings
+from .spec.grammar import Constraints, GrammarError, Grammars
 from .spec.verify import CoupledRule
 
 
@@ -71,13 +73,15 @@ class SpecEngine:
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
-    whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool)."""
+    whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
+    `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
+    forwards of their own first; bench/join_speed.py compares)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
-                 kv_cache: str = "dense"):
+                 kv_cache: str = "dense", join_prefills: bool = True):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -120,7 +124,8 @@ class SpecEngine:
             rule=CoupledRule(rule) if spec.sampling == "coupled" else rule,
             widths=VerifyWidths(max_draft + 1) if spec.verify_padding and max_draft else None,
             clock=clock, stop_ids=stop_ids, stop_strings=StopStrings(pair.tokenizer),
-            grammars=Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(stop_ids))), max_draft=max_draft)
+            grammars=Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(stop_ids))), max_draft=max_draft,
+            join_prefills=join_prefills)
         self.needs_costs = POLICIES[spec.draft_length].needs_costs and max_draft > 0
         self.profile = profile  # measured costs (specdec/plan/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it
@@ -149,7 +154,7 @@ class SpecEngine:
         """The costs of this engine's rounds, measured now on synthetic rows of 64 tokens (specdec/plan/profiler.py);
         `every_width`: every verification width, not only those a length could win at."""
         policy = FixedLength(self.spec)  # drafts on demand: rows joining are prefilled in the draft
-        batch = self.new_batch(self.batch_size, 64 + self.spec.max_nodes + 2, policy)
+        batch = self.new_batch(self.batch_size, 64 + self.spec.max_nodes + 2, policy, prefixes=False)
         work = SyntheticRounds(self.context, batch, policy, self.sampling, self.method.draft_model, 64)
         hardware = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else \
             f"CPU x{torch.get_num_threads()}"
@@ -328,15 +333,30 @@ class SpecEngine:
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
 
-    def new_batch(self, rows: int, max_len: int, policy: LengthPolicy, blocks: int | None = None) -> Batch:
+    def new_batch(self, rows: int, max_len: int, policy: LengthPolicy, blocks: int | None = None,
+                  formats: bool = False, prefixes: bool = True) -> Batch:
         """An empty batch of `rows` slots of `max_len` tokens (a paged cache: of `blocks` blocks; None: every row
-        whole), with its proposer, and `policy`'s per-row state."""
-        batch = Batch(self.runner("target", rows, max_len, blocks), rows, max_len, self.vocab_size)
-        batch.slack = self.spec.max_nodes + 2  # row_tokens(): what a row may come to hold past max_new_tokens
+        whole), built whole: the models' prefills, its proposer, `policy`'s per-row state, the rows' output formats
+        (`formats`: some row may have one) and, with `prefixes`, the engine's prefix stores (over a paged pool they
+        pin its blocks)."""
+        target = self.runner("target", rows, max_len, blocks)
         draft = self.runner("draft", rows, max_len, blocks) if self.method.draft_model else None
-        batch.proposer = self.method.proposer(batch, self.spec, policy, self.context.rule, draft)
-        batch.prefill_chunk = self.prefill_chunk
-        policy.attach(batch.slots)
+        slots = Slots(rows, max_len, self.device)
+        stores = self.prefix if prefixes else None
+
+        def prefill(name: str, runner) -> Prefiller:
+            return Prefiller(runner, slots.seq, None if stores is None else stores[name], self.prefill_chunk)
+
+        constraints = Constraints(slots, self.vocab_size, self.device, self.context.stop_ids) if formats else None
+        proposer = self.method.proposer(slots, self.spec, policy, self.context.rule,
+                                        None if draft is None else prefill("draft", draft), self.vocab_size,
+                                        constraints)
+        policy.attach(slots)
+        # row_tokens(): a row may come to hold max_nodes + 2 slots past max_new_tokens
+        batch = Batch(slots, target, prefill("target", target), proposer, self.vocab_size, self.spec.max_nodes + 2,
+                      constraints)
+        if stores is not None:
+            stores.attach({name: r.cache for name, r in self._runners.items()}, {"target": proposer.prompt_top_ids})
         return batch
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
@@ -429,13 +449,8 @@ class SpecEngine:
                 want = need.batch
                 if self.prefix is not None and not need.pool:  # the prefixes keep what was held and what rows leave
                     self.prefix.limit(max(0, plan.budget - need.total) + plan.held)
-            batch = self.new_batch(want, max_len, policy, blocks)
-            batch.prefixes = self.prefix
-            if self.prefix is not None:  # over a paged pool the stores pin its blocks (their budget is theirs)
-                self.prefix.attach({name: r.cache for name, r in self._runners.items()},
-                                   {"target": batch.proposer.prompt_top_ids})
-            if any(requests[i].sp.grammar is not None for i in todo):
-                batch.constraints = Constraints(batch.slots, self.vocab_size, self.device, self.context.stop_ids)
+            batch = self.new_batch(want, max_len, policy, blocks,
+                                   formats=any(requests[i].sp.grammar is not None for i in todo))
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 

@@ -7,7 +7,7 @@ from specdec.config import SpecConfig
 from specdec.plan.costmodel import CostModel, Profile
 from specdec.plan.policies import BatchView, PolicyEnv, RoundResult
 from specdec.plan.policies.goodput import GoodputLength
-from specdec.sched.batch import Slots
+from specdec.sched.slots import Slots
 
 
 def table_profile(cost: dict[int, float], buckets=(1, 8), fixed=0.0) -> Profile:
@@ -26,7 +26,7 @@ def policy(profile: Profile, n: int = 8, m: int | None = None) -> GoodputLength:
 
 def attached(pol: GoodputLength, n: int) -> GoodputLength:
     """pol with per-row state for n rows, all admitted."""
-    slots = Slots(n, "cpu")
+    slots = Slots(n, 1, "cpu")
     pol.attach(slots)
     slots.admit(0, n)
     return pol

@@ -117,7 +117,7 @@ def test_while_rows_decode_rows_join_within_one_chunk_in_the_rounds_forward(targ
     join one round apart in a chunk of 32. Transformers' tokens."""
     from engine_models import engine
 
-    from specdec.sched.batch import Batch
+    from specdec.exec.prefill import Prefiller
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (30, 28, 26, 25, 22, 20)]  # admission order
@@ -126,18 +126,18 @@ def test_while_rows_decode_rows_join_within_one_chunk_in_the_rounds_forward(targ
         reference = [target.generate(torch.tensor([p], device=DEVICE), max_new_tokens=m, min_new_tokens=m,
                                      do_sample=False)[0, len(p):].tolist() for p, m in zip(prompts, lengths)]
     apart, joined = [], []
-    real_forwards, real_joined = Batch.forwards, ModelRunner.step_joined
+    real_forwards, real_joined = Prefiller.forwards, ModelRunner.step_joined
 
-    def forwards(self, runner, start, done, upto, top_ids=0):
-        if runner is self.target and (upto - done).sum() > 0:
+    def forwards(self, start, done, upto, top_ids=0):
+        if self.runner is eng._runners["target"] and (upto - done).sum() > 0:
             apart.append(start)  # the rows decoding while this prefill runs
-        return real_forwards(self, runner, start, done, upto, top_ids)
+        return real_forwards(self, start, done, upto, top_ids)
 
     def step_joined(self, tokens, positions, kv_len, join):
         joined.append(join.tokens.shape[0] * int(join.at[:, 0].max()))
         return real_joined(self, tokens, positions, kv_len, join)
 
-    monkeypatch.setattr(Batch, "forwards", forwards)
+    monkeypatch.setattr(Prefiller, "forwards", forwards)
     monkeypatch.setattr(ModelRunner, "step_joined", step_joined)
     eng = engine(target, drafts["noisy"] if method == "draft_model" else None, method, bs=3, prefill_chunk=32,
                  kv_cache=layout)

@@ -207,8 +207,8 @@ def test_a_slowdown_during_a_few_timings_biases_no_width(target, drafts, monkeyp
     now, widths = [0.0], []
     verify = Rounds.verify
 
-    def timed(self, n, draft, width, rows, draws):
-        out = verify(self, n, draft, width, rows, draws)
+    def timed(self, n, draft, width, rows, draws, joining=None):
+        out = verify(self, n, draft, width, rows, draws, joining)
         widths.append(width)
         now[0] += width * (3.0 if len(widths) <= 4 else 1.0)
         return out

@@ -1,11 +1,15 @@
-"""The layers are one-way (specdec <- workers <- jobs) and no module's imports lead back to it: read from the
-source, every import a module can run (at its top or inside its functions; not `if TYPE_CHECKING:` blocks)."""
+"""The layers are one-way (specdec <- workers <- jobs), specdec's four rooms too (exec <- spec, plan <- sched), and no
+module's imports lead back to it: read from the source, every import a module can run (at its top or inside its
+functions; not `if TYPE_CHECKING:` blocks)."""
 
 import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 LAYERS = ("specdec", "workers", "jobs")  # each may import only those before it
+# specdec's rooms (docs/DESIGN.md), and the rooms each may not import: one forward knows no drafts, rows or policies;
+# what is drafted and accepted, and how long to draft, know no batch
+ROOMS = {"exec": ("spec", "plan", "sched"), "spec": ("plan", "sched"), "plan": ("sched",), "sched": ()}
 
 
 def modules() -> dict[str, str]:
@@ -80,3 +84,18 @@ def test_no_import_circle():
     for node in sorted(g):
         if node not in state:
             walk(node, [])
+
+
+def room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if parts[0] == "specdec" and len(parts) > 2 and parts[1] in ROOMS else None
+
+
+def test_specdec_rooms_import_one_way():
+    g = graph()
+    assert {room(n) for n in g} >= set(ROOMS), "every room has modules"
+    for name, deps in g.items():
+        if (mine := room(name)) is None:
+            continue
+        wrong = sorted(d for d in deps if room(d) in ROOMS[mine])
+        assert not wrong, f"{name} ({mine}/) imports {wrong}"

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from engine_models import noisy_copy, pair, tiny_llama
-from specdec.sched.batch import Slots
+from specdec.sched.slots import Slots
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.spec.sampling import Rows
@@ -145,16 +145,23 @@ def test_config_names_the_moved_and_inconsistent_keys():
     assert SpecConfig().verification == "lossless"  # relaxed verification is opt-in
 
 
+def slots_of(rows: list[list[int]]) -> Slots:
+    """A batch's slots holding these rows, admitted (their whole tokens as prompts)."""
+    slots = Slots(len(rows), max(map(len, rows)), "cpu")
+    slots.admit(0, len(rows))
+    for i, tokens in enumerate(rows):
+        slots.history[i], slots.prompt_lens[i] = tokens, len(tokens)
+    return slots
+
+
 def test_pool_merges_every_occurrence_into_one_tree():
     """The paper's pool: the continuations of every occurrence of the matched n-gram merge into one tree,
     shared prefixes once, the latest occurrence's chain first; s bounds the siblings per node, 0 the chain."""
-    from types import SimpleNamespace
     from specdec.config import PromptLookupConfig
     from specdec.spec.proposers.prompt_lookup import PromptLookupProposer
 
     tokens = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]  # "1 2" is followed by 3 9 1 / 4 9 1 / 3 5 1
-    prop = PromptLookupProposer(SimpleNamespace(rows=[SimpleNamespace(tokens=tokens)], slots=Slots(1, "cpu")),
-                                PromptLookupConfig(alignment_sampling=2))
+    prop = PromptLookupProposer(slots_of([tokens]), PromptLookupConfig(alignment_sampling=2))
     prop.admit(0, 1)
 
     def tree(k, s):
@@ -171,12 +178,10 @@ def test_pool_merges_every_occurrence_into_one_tree():
 def test_prompt_lookup_reach_is_the_text_after_the_match():
     """How deep a row can draft now (goodput's `BatchView.reach`): a chain, the tokens after the latest
     occurrence of the matched n-gram; a tree, after the earliest; nothing where no n-gram occurred."""
-    from types import SimpleNamespace
     from specdec.config import PromptLookupConfig
     from specdec.spec.proposers.prompt_lookup import PromptLookupProposer
 
-    rows = [SimpleNamespace(tokens=[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2]), SimpleNamespace(tokens=[7, 8])]
-    prop = PromptLookupProposer(SimpleNamespace(rows=rows, slots=Slots(2, "cpu")),
+    prop = PromptLookupProposer(slots_of([[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 5, 1, 2], [7, 8]]),
                                 PromptLookupConfig(alignment_sampling=2))
     prop.admit(0, 2)
     assert prop.reach(2).tolist() == [[4, 12, 12], [0, 0, 0]]  # "1 2" is followed at 2, 6 and 10

@@ -187,9 +187,10 @@ def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monke
     eng = engine(target, None, "none", 8, kv_cache="paged", prefix_caching=False)
     held, blocks = [], 1 + 9  # rows take 2-4 blocks (27-56 slots): 2 to 4 rows at once, not 8
     real = eng.new_batch
-    monkeypatch.setattr(eng, "new_batch", lambda rows, max_len, policy, _: real(rows, max_len, policy, blocks))
+    monkeypatch.setattr(eng, "new_batch", lambda rows, max_len, policy, _, **kw: real(rows, max_len, policy, blocks,
+                                                                                       **kw))
     real_round = Rounds.round
-    monkeypatch.setattr(Rounds, "round", lambda self: (held.append(self.batch.n), real_round(self))[1])
+    monkeypatch.setattr(Rounds, "round", lambda self, *a: (held.append(self.batch.n), real_round(self, *a))[1])
     out = eng.generate(prompts)
     assert [r.token_ids for r in out] == reference
     assert eng._runners["target"].cache.blocks == blocks

@@ -314,7 +314,6 @@ def test_a_draft_catching_up_takes_its_prefix_store_blocks(target, drafts, monke
 
         def batch(drafting: bool):
             b = eng.new_batch(4, 128, FixedLength(eng.spec))
-            b.prefixes = eng.prefix
             b.write_rows(0, [Row(i, SampleResult(key=i, prompt_tokens=len(p)), list(p), None, 0.0,
                                  SamplingParams()) for i, p in enumerate(prompts)])
             b.prefill_target(0, 4)
@@ -388,10 +387,10 @@ def test_alignment_top_ids_come_with_a_stored_prefix(target):
     out = []
     for eng, want in ((off, 3), (on, 0), (on, 3), (on, 3)):
         b = eng.new_batch(4, 128, FixedLength(eng.spec))
-        b.prefixes = eng.prefix
         b.write_rows(0, [Row(i, SampleResult(key=i, prompt_tokens=len(p)), list(p), None, 0.0, SamplingParams())
                          for i, p in enumerate(prompts)])
-        out.append(b.prefill_target(0, 4, want))
+        ids, plan = b.prefill_target(0, 4, want)
+        out.append((ids, plan.counts("reused")))
     ids, reused = out[0]
     assert out[1][0] is None and out[1][1].tolist() == [0] * 4  # a store without ids: blocks of 32 tokens
     assert out[2][1].tolist() == [0] * 4  # ... that rows needing ids do not take, and compute (then store) them

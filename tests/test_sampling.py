@@ -10,7 +10,7 @@ from engine_models import pair, tiny_llama
 from specdec.spec import sampling
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
-from specdec.sched.batch import RowSettings, Slots
+from specdec.sched.slots import RowSettings, Slots
 
 V, NEW, N = 8, 3, 4000
 PROMPT = [1, 5, 2, 7]
@@ -159,7 +159,7 @@ def test_row_processing_equals_the_plain_one_setting_processing():
     logits = torch.randn(5, 3, 40) * 3
     sps = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=1.3, top_p=0.6),
            SamplingParams(temperature=0.5, top_k=4, top_p=0.9), SamplingParams(), SamplingParams(temperature=0.7)]
-    settings = RowSettings(Slots(5, "cpu"))
+    settings = RowSettings(Slots(5, 1, "cpu"))
     for i, sp in enumerate(sps):
         settings.set(i, sp)
     mixed = sampling.probs(logits, settings.view(5))

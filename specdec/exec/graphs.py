@@ -35,6 +35,11 @@ _SIDE: dict[int, torch.cuda.Stream] = {}  # side_stream()'s, by device index
 fault: Callable[[tuple], str | None] | None = None
 
 
+def pow2_at_least(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): the buckets steps' rows and attention windows are padded to."""
+    return 1 << max(0, x - 1).bit_length()
+
+
 def compiled_layer() -> Callable:
     from . import llama
 

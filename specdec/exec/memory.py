@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import blocks_for, model_kv_shape
-from ..plan.costmodel import pow2_at_least
+from .graphs import pow2_at_least
 
 GiB = 1 << 30
 STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)

@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from . import graphs as graphs_mod
 from . import llama
 from .cache import KVCache, forward_hidden
-from ..plan.costmodel import pow2_at_least
-from .graphs import StepGraphs, compiled_layer
+from .graphs import StepGraphs, compiled_layer, pow2_at_least
 
 if TYPE_CHECKING:
-    from ..sched.batch import Join
+    from .inputs import Join
 
 log = logging.getLogger(__name__)
 _said: set[str] = set()  # fallback reasons already logged by this process

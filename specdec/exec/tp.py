@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import llama
-from ..sched.batch import Join
 from .cache import RaggedKVCache, WholeRows
+from .inputs import Join
 from .runner import ModelRunner
 from .shard import ShardedModel
 

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..exec.graphs import pow2_at_least
+
 
 @dataclass(frozen=True)
 class Tuning:
@@ -85,10 +87,6 @@ class Tuning:
 
 
 TUNING = Tuning()
-
-
-def pow2_at_least(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 bucket = pow2_at_least  # rows -> the bucket whose costs they are charged

@@ -27,16 +27,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..spec import sampling
-from .batch import Batch, Row, sync
 from ..config import SampleResult, SamplingParams, row_seed
+from ..exec.inputs import sync
+from ..exec.prefill import PrefillPlan
 from ..plan.costmodel import VerifyWidths
-from ..spec.grammar import Grammars
 from ..plan.policies import BatchView, LengthPolicy, RoundResult
-from ..spec.proposers.base import Draft, Tree
+from ..spec import sampling
+from ..spec.draft import Draft, Tree
+from ..spec.grammar import Grammars
 from ..spec.sampling import Draws, Rows
-from .stops import StopStrings
 from ..spec.verify import Rule, scan
+from .batch import Batch, Row
+from .stops import StopStrings
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class RoundContext:
     stop_strings: StopStrings  # finds stop strings in a row's decoded text
     grammars: Grammars  # compiles output formats
     max_draft: int  # the most tokens a row drafts in a round (0: plain decoding)
+    # rows that join end their prefills in the next round's forward, beside the others' verification (False: in
+    # forwards of their own first; bench/join_speed.py compares)
+    join_prefills: bool = True
 
 
 @dataclass
@@ -94,10 +99,6 @@ class Readback:
 
 
 class Rounds:
-    # rows that join end their prefills in the next round's forward, beside the others' verification (False: in
-    # forwards of their own first; bench/join_speed.py compares)
-    join_prefills: bool = True
-
     def __init__(self, context: RoundContext, batch: Batch, policy: LengthPolicy, requests: list[Request],
                  results: list[SampleResult | None], on_round=None):
         self.context, self.batch, self.policy = context, batch, policy
@@ -107,32 +108,31 @@ class Rounds:
         self.sampled = not all(r.sp.greedy for r in requests)  # some row samples: rounds draw randomness
         logprobs = [r.sp.top_logprobs for r in requests if r.sp.logprobs]
         self.top_logprobs = max(logprobs) if logprobs else None  # most tokens per position (None: no logprobs)
-        self.waiting = self.joined = 0
-        self.join = False  # admitted rows' prefills end in the next round's forward (`run` sets it)
+        self.waiting = 0  # requests queued for a free row
+        self.admitted = 0  # rows admitted since the last round's plan
 
     def run(self, queue: deque) -> None:
-        b = self.batch
-        self.join = self.join_prefills
+        b, join = self.batch, self.context.join_prefills
         while queue or b.n:
+            joining = None  # rows whose prefill ends in this round's forward
             if queue and b.n < b.capacity:
                 heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
                 fits = b.room([(r.prompt, r.sp.max_new_tokens) for r in heads])
                 if fits == 0 and b.n == 0:
                     raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
-                if fits and b.n and self.join:  # rows decoding wait for no prefill: one chunk joins their round
+                if fits and b.n and join:  # rows decoding wait for no prefill: one chunk joins their round
                     fits = self.within_chunk(heads[:fits])
                 if fits:
-                    self.admit([queue.popleft() for _ in range(fits)], len(queue))
-            self.round()
+                    joining = self.admit([queue.popleft() for _ in range(fits)], len(queue), join)
+            self.round(joining)
 
     def within_chunk(self, heads: list[Request]) -> int:
         """How many of these rows (in order, at least one) join together within one `prefill_chunk`: their prompts'
         tokens to compute (not what the prefix store holds; a prompt's other samples copy it), padded to the most,
         as the round's forward takes them."""
-        b = self.batch
-        if b.prefill_chunk is None:
+        chunk, store = self.batch.prefill.chunk, self.batch.prefill.store
+        if chunk is None:
             return len(heads)
-        store = b.prefixes["target"] if b.prefixes is not None else None
         most, groups = 0, set()
         for i, r in enumerate(heads):
             if r.group not in groups:
@@ -141,21 +141,22 @@ class Rounds:
                 if store is not None:
                     left -= len(store.match(r.prompt, left, touch=False)) * store.block
                 most = max(most, left)
-                if len(groups) * most > b.prefill_chunk:
+                if len(groups) * most > chunk:
                     return max(1, i)
         return len(heads)
 
-    def admit(self, indices: list[int], waiting: int = 0) -> None:
+    def admit(self, indices: list[int], waiting: int = 0, join: bool = False) -> PrefillPlan | None:
         """Requests `indices` join the batch. One sample of each prompt is prefilled; the others copy its
         caches (they sit after all the prefilled rows, so that these are contiguous). With prefix caching, a
         prefilled row takes the blocks the store holds of its prompt, and rows that share blocks not stored yet
-        with an earlier row are prefilled after it, once its blocks are stored: a shared prefix is computed once."""
+        with an earlier row are prefilled after it, once its blocks are stored: a shared prefix is computed once.
+        `join`: the last rows' prefill ends in the next round's forward; returns its plan then (else None)."""
         b, now = self.batch, time.perf_counter()
         first: dict[int, int] = {}  # group -> its prefilled request
         for i in indices:
             first.setdefault(self.requests[i].group, i)
         lead = list(first.values())
-        store = b.prefixes["target"] if b.prefixes is not None else None
+        store = b.prefill.store
         later = store.followers([self.requests[i].prompt for i in lead],
                                 [len(self.requests[i].prompt) - 1 for i in lead]) if store else [False] * len(lead)
         # rows sharing a prefix not stored yet with a row before them go after the others, once those are stored
@@ -170,30 +171,33 @@ class Rounds:
                                   verification=self.context.rule.name)
             rows.append(Row(i, result, list(r.prompt), gen, now, r.sp))
         b.write_rows(start, rows)
-        self.waiting, self.joined = waiting, self.joined + len(order)
+        self.waiting, self.admitted = waiting, self.admitted + len(order)
         view = self.view(end)
         drafting = self.policy.drafts_soon(view)
         wide = drafting and b.proposer.prompt_top_ids and self.policy.widens_soon(view)
-        split = mid - sum(later)
+        split, joining = mid - sum(later), None
         for lo, hi in ((start, split), (split, mid)):
             if hi > lo:  # the last rows' prefill ends in the next round's forward (no copies wait for it)
-                top_ids, reused = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0,
-                                                   join=self.join and hi == end)
+                top_ids, plan = b.prefill_target(lo, hi, b.proposer.prompt_top_ids if wide else 0,
+                                                 tail=join and hi == end)
                 b.proposer.admit(lo, hi, top_ids, drafting=drafting)
-                for slot, n in zip(range(lo, hi), reused):
-                    b.rows[slot].result.cached_prompt_tokens = int(n)
+                for r in plan.rows:
+                    b.rows[r.slot].result.cached_prompt_tokens = r.reused
+                joining = plan if plan.tail else None
+        slot_of = {i: start + j for j, i in enumerate(lead)}  # a prompt's prefilled request -> its slot
         for slot in range(mid, end):
-            b.copy_row(start + lead.index(first[self.requests[order[slot - start]].group]), slot)
+            b.copy_row(slot_of[first[self.requests[order[slot - start]].group]], slot)
             b.rows[slot].result.cached_prompt_tokens = int(b.cached[slot])  # the whole prompt, copied
         if b.constraints is not None:
             for slot, i in zip(range(start, end), order):
                 fmt = self.requests[i].sp.grammar
                 b.constraints.set(slot, None if fmt is None else self.context.grammars.matcher(fmt))
             self.jump_forward(range(start, end))
+        return joining
 
     def view(self, n: int, reach: bool = False) -> BatchView:
         """What the policy sees of rows [0, n); `reach`: with how deep each row can draft now (before a round)."""
-        return BatchView(n, self.waiting, self.joined, self.batch.proposer.reach(n) if reach else None)
+        return BatchView(n, self.waiting, self.admitted, self.batch.proposer.reach(n) if reach else None)
 
     def limits(self, n: int) -> np.ndarray:
         """[n] host: the tokens each row may draft this round (the policy's plan, within the row's room before
@@ -202,14 +206,15 @@ class Rounds:
             return np.zeros(n, dtype=np.int64)
         room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in self.batch.rows[:n]])
         plan = self.policy.plan(self.view(n, reach=True))
-        self.joined = 0
+        self.admitted = 0
         return np.minimum(plan, room)
 
-    def round(self) -> None:
-        """One round of the active rows: plan, propose, verify (one read-back), finish rows."""
+    def round(self, joining: PrefillPlan | None = None) -> None:
+        """One round of the active rows: plan, propose, verify (one read-back), finish rows. `joining`: the rows
+        whose prefill ends in this round's forward."""
         b, n, clock = self.batch, self.batch.n, self.context.clock
         limits = self.limits(n)
-        timed = self.batch.joining is None  # a round that ends rows' prefills costs more than its drafts and width
+        timed = joining is None  # a round that ends rows' prefills costs more than its drafts and width
         t0 = clock()
         rows = b.sp.view(n)
         draws = self.draws(n, int(limits.max(initial=0)) + 1)
@@ -218,7 +223,7 @@ class Rounds:
         k = draft.tokens.shape[1]
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # a width timed, not a K's cost
         width = widths.choose(n, k + 1) if widths else k + 1
-        out = self.verify(n, draft, width, rows, draws)
+        out = self.verify(n, draft, width, rows, draws, joining)
         emitted = sum(self.finish(i, out, draft.forwards) for i in range(n))
         emitted += self.jump_forward(range(n))
         finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
@@ -241,13 +246,14 @@ class Rounds:
             return Draws(m, noise=sampling.gumbel(keys, b.lens[:n], width, b.vocab_size, b.device))
         return Draws(m, uniforms=sampling.uniforms([r.generator for r in b.rows[:n]], 2 * m + 1, b.device))
 
-    def verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws) -> Readback:
+    def verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws,
+               joining: PrefillPlan | None = None) -> Readback:
         """One target forward over [pending, draft] at `width` tokens per row (chains padded with junk past k + 1),
-        the rule's verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens. Ends with the round's
-        read-back."""
+        the rule's verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens; `joining`'s rows end their
+        prefill in the same forward. Ends with the round's read-back."""
         b, k, t0 = self.batch, draft.tokens.shape[1], self.context.clock()
-        timed = b.joining is None
-        inputs = b.target_inputs(n, draft, width)
+        timed = joining is None
+        inputs = b.target_inputs(n, draft, width, joining)
         if inputs.join is None:
             logits, _ = b.target.step(inputs.tokens, inputs.positions, inputs.kv_len, slots=inputs.slots,
                                       mask=inputs.mask)
@@ -256,7 +262,7 @@ class Rounds:
             step, joined = b.target.step_joined(inputs.tokens, inputs.positions, inputs.kv_len, inputs.join)
             parts = [] if step is None else [step[:, inputs.lag - 1 : inputs.lag + k]]
             logits = torch.cat(parts + [joined])[..., : b.vocab_size]
-            b.joined()
+            b.prefill.keep(joining)  # their caches hold their prompts now: the prefix store takes them
         best, finite = scan(logits)  # greedy's choices and the non-finite check in one pass
         if b.constraints is not None:  # on the host while the forward runs: each row's format masks p
             draft = self.constrain(n, draft)
@@ -426,6 +432,7 @@ class SyntheticRounds:
 
     def prefill(self, rows: int, draft: bool = False) -> None:
         """The target's (or the draft's) prefill of rows [0, rows)."""
-        b = self.batch
-        b.prefill(b.proposer.runner if draft else b.target, 0, rows)
+        b, s = self.batch, self.batch.slots
+        prefill = b.proposer.prefill if draft else b.prefill
+        prefill.run(prefill.plan(0, s.history[:rows], s.prompt_lens[:rows], b.lens[:rows] - 1))
         sync(b.device)

@@ -27,7 +27,7 @@ from . import sampling, trees
 from .sampling import Draws, Rows
 
 if TYPE_CHECKING:
-    from .proposers.base import Draft
+    from .draft import Draft
 
 
 @dataclass

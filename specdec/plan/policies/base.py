@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from ...config import SpecConfig
     from ..costmodel import CostModel
-    from ...sched.batch import Slots
+    from ...sched.slots import Slots
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PolicyEnv:
 class BatchView:
     n: int  # active rows [0, n)
     waiting: int  # prompts queued for a free slot
-    joined: int = 0  # rows admitted since the last round
+    admitted: int = 0  # rows admitted since the last round
     reach: np.ndarray | None = None  # [n, S + 1] the deepest draft row i can make now with s siblings per node
     # (`Proposer.reach`; None: as deep as asked)
 

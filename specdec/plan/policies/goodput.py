@@ -226,8 +226,8 @@ class GoodputLength(LengthPolicy):
         return self.drafts_soon(view) and self.split(self.choice[bucket(view.n)])[1] > 0
 
     def plan(self, view: BatchView) -> int:
-        if view.joined and self.last is not None:  # rows that joined after this kind of round
-            keep_last(self.groups[self.last > 0], view.joined, self.tuning.kept)
+        if view.admitted and self.last is not None:  # rows admitted after this kind of round
+            keep_last(self.groups[self.last > 0], view.admitted, self.tuning.kept)
         return self.choose(view)
 
     def observe(self, r: RoundResult) -> None:

@@ -18,15 +18,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import sampling
 from ...exec.cache import PagedKVCache
+from ...exec.inputs import to_device
+from .. import sampling
+from ..draft import Draft
 from ..verify import scan
-from .base import Draft, Proposer
+from .base import Proposer
 
 if TYPE_CHECKING:
-    from ...sched.batch import Batch
+    from ...exec.prefill import Prefiller
     from ...plan.policies import LengthPolicy
-    from ...exec.runner import ModelRunner
+    from ...sched.slots import Slots
+    from ..grammar import Constraints
     from ..sampling import Draws, Rows
 
 
@@ -38,61 +41,72 @@ def _full_vocab(q: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, batch: Batch, runner: ModelRunner, policy: LengthPolicy, raw_q: bool = False):
-        super().__init__(batch)
-        self.runner = runner
+    """Drafts with the model whose cache rows `prefill` fills (its runner, prefix store and chunk), over the
+    target's `vocab_size`; `constraints`: the rows' output formats, when some row may have one."""
+
+    def __init__(self, slots: Slots, prefill: Prefiller, policy: LengthPolicy, vocab_size: int,
+                 constraints: Constraints | None = None, raw_q: bool = False):
+        super().__init__(slots)
+        self.prefill, self.runner = prefill, prefill.runner
+        self.vocab_size, self.constraints = vocab_size, constraints
         self.stopper = policy.stopper  # stops rows on the draft's outputs (None: every row drafts its limit)
         self.raw_q = raw_q  # keep the draft's raw distributions (fuzzy verification compares them)
-        self.d_len = batch.slots.add_host("draft_len")  # tokens of the row held in the draft cache
-        self.fed_len = batch.slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
-        batch.slots.add_cache(runner.cache, self.d_len)
+        self.d_len = slots.add_host("draft_len")  # tokens of the row held in the draft cache
+        self.fed_len = slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
+        slots.add_cache(self.runner.cache, self.d_len)
 
     def admit(self, start: int, end: int, target_top_ids=None, drafting: bool = True) -> None:
-        b = self.batch
-        shared = isinstance(self.runner.cache, PagedKVCache) and b.prefixes is not None and b.prefixes["draft"]
+        shared = isinstance(self.runner.cache, PagedKVCache) and self.prefill.store is not None
         if drafting or shared:  # a paged pool's rows share the draft's prefix blocks once its store holds them
-            self.d_len[start:end] = b.prefill(self.runner, start, end)
+            self.d_len[start:end] = self.fill(start, end)
         else:  # no speculation for now: the first drafting round's catch-up feeds the whole row
             self.d_len[start:end] = 0
+
+    def fill(self, start: int, end: int, have: np.ndarray | None = None) -> np.ndarray:
+        """The draft caches all but the pending token of rows [start, end), after the `have` slots each holds
+        (None: none) and what its prefix store gives (specdec/exec/prefill.py); returns their cached lengths."""
+        s, cached = self.slots, self.slots.lens[start:end] - 1
+        self.prefill.run(self.prefill.plan(start, s.history[start:end], s.prompt_lens[start:end], cached, have))
+        return cached
 
     def catch_up(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row what its draft cache lacks, seq[d_len : seq_len] (ragged, right-padded); returns the
         logits [n, vocab] and hidden states [n, d] at each row's last token. Rows that joined while the policy
         did not draft (an empty draft cache) take what the draft's prefix store holds of them, and more tokens
         than the batch's `prefill_chunk` go in chunks: both by a prefill of all but the last, then the last alone."""
-        b = self.batch
-        lens, d_len = b.lens[:n], self.d_len[:n]
-        stored = b.prefixes is not None and b.prefixes["draft"] is not None and not d_len.all()
-        if stored or (b.prefill_chunk and n * int((lens - d_len).max(initial=0)) > b.prefill_chunk):
-            d_len[:] = b.prefill(self.runner, 0, n, "draft", done=d_len)
+        s, chunk = self.slots, self.prefill.chunk
+        lens, d_len = s.lens[:n], self.d_len[:n]
+        stored = self.prefill.store is not None and not d_len.all()
+        if stored or (chunk and n * int((lens - d_len).max(initial=0)) > chunk):
+            d_len[:] = self.fill(0, n, have=d_len)
         behind = lens - d_len  # >= 1: at least the pending token
         t0 = int(behind.max())
-        catch = b.to_device(np.stack([d_len, behind - 1]))  # one copy: [2, n]
-        idx = catch[0][:, None] + torch.arange(t0, device=b.device)[None, :]  # [n, t0]
-        tokens_in = b.seq[:n].gather(1, idx.clamp(max=b.max_len - 1))
+        catch = to_device(np.stack([d_len, behind - 1]), s.device)  # one copy: [2, n]
+        idx = catch[0][:, None] + torch.arange(t0, device=s.device)[None, :]  # [n, t0]
+        tokens_in = s.seq[:n].gather(1, idx.clamp(max=s.max_len - 1))
         return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
 
     def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
-        b, stop = self.batch, self.stopper
+        s, stop, dev = self.slots, self.stopper, self.slots.device
         k_max = int(limits.max()) if n else 0
         self.fed_len[:n] = self.d_len[:n]
         if k_max == 0:
-            return Draft.empty(n, b.device)
+            return Draft.empty(n, dev)
         logits, h = self.catch_up(n)
         forwards = 1
         noise, u = draws.noise, draws.draft
         choice = rows if noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
-        lens = b.lens[:n]
+        lens = s.lens[:n]
         self.fed_len[:n] = lens  # the catch-up fed up to the pending token
-        limits_dev = b.to_device(limits) if stop is not None or limits.min() != k_max else None
+        limits_dev = to_device(limits, dev) if stop is not None or limits.min() != k_max else None
         active = limits_dev > 0 if stop is not None else None  # rows still drafting (tracked if rows stop early)
-        lengths = torch.zeros(n, dtype=torch.int64, device=b.device) if stop is not None else None
+        lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stop is not None else None
         if stop is not None:
             stop.start(n)
-        seq_len = b.to_device(lens) if k_max > 1 else None
-        grammar = b.constraints if b.constraints is not None and b.constraints.rows(n) else None
+        seq_len = to_device(lens, dev) if k_max > 1 else None
+        grammar = self.constraints if self.constraints is not None and self.constraints.rows(n) else None
         tokens, qs, raws, drawn = [], [], [], []
-        non_finite = torch.zeros(n, dtype=torch.bool, device=b.device)  # the row fails
+        non_finite = torch.zeros(n, dtype=torch.bool, device=dev)  # the row fails
         free = None  # rows a stopper reading fed states stopped: the forward that fed their token drew one more
         for step in range(k_max):
             plain = grammar is None and noise is None and choice.greedy  # the token is the raw logits' argmax
@@ -140,9 +154,9 @@ class DraftModelProposer(Proposer):
         if grammar is not None:
             grammar.rollback(n)
         if stop is None:
-            lengths = limits_dev if limits_dev is not None else torch.full((n,), k, dtype=torch.int64, device=b.device)
-        q_probs = _full_vocab(torch.stack(qs, dim=1), b.vocab_size) if qs else None
-        raw_q = _full_vocab(torch.stack(raws, dim=1), b.vocab_size) if raws else None
+            lengths = limits_dev if limits_dev is not None else torch.full((n,), k, dtype=torch.int64, device=dev)
+        q_probs = _full_vocab(torch.stack(qs, dim=1), self.vocab_size) if qs else None
+        raw_q = _full_vocab(torch.stack(raws, dim=1), self.vocab_size) if raws else None
         host = np.array(drawn, dtype=np.int64).T if drawn else None
         return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, non_finite=non_finite,
                      raw_q=raw_q, host_tokens=host)
@@ -153,7 +167,7 @@ class DraftModelProposer(Proposer):
 
     def rewind(self, n: int) -> None:
         # the pending token is never in it
-        self.d_len[:n] = np.minimum(self.d_len[:n], self.batch.lens[:n] - 1)
+        self.d_len[:n] = np.minimum(self.d_len[:n], self.slots.lens[:n] - 1)
 
 
 def _fit(noise: torch.Tensor, vocab: int) -> torch.Tensor:

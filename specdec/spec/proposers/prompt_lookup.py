@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import Draft, Proposer, Tree
+from ...exec.inputs import to_device
+from ..draft import Draft, Tree
+from .base import Proposer
 
 if TYPE_CHECKING:
-    from ...sched.batch import Batch
     from ...config import PromptLookupConfig
+    from ...sched.slots import Slots
 
 
 class NgramPool:
@@ -59,21 +61,19 @@ class NgramPool:
 
 
 class PromptLookupProposer(Proposer):
-    def __init__(self, batch: Batch, cfg: PromptLookupConfig, prompt_top_ids: int = 0):
-        super().__init__(batch)
+    def __init__(self, slots: Slots, cfg: PromptLookupConfig, prompt_top_ids: int = 0):
+        super().__init__(slots)
         self.cfg = cfg
         self.prompt_top_ids = prompt_top_ids
-        slots = batch.slots  # a sample sharing a prompt starts with a pool of its own: rows grow apart
+        # a sample sharing a prompt starts with a pool of its own: rows grow apart
         self.pools: list[NgramPool | None] = slots.add_objects("ngram_pool", lambda src, dst: self.new_pool())
-        self.prompt_len: list[int | None] = slots.add_objects("prompt_len")
         self.top_ids: list[np.ndarray | None] = slots.add_objects("prompt_top_ids")  # [prompt_len - 1, s + 1]
 
     def admit(self, start: int, end: int, target_top_ids: np.ndarray | None = None, drafting: bool = True) -> None:
         for slot in range(start, end):
-            row = self.batch.rows[slot]
             self.pools[slot] = self.new_pool()
-            self.prompt_len[slot] = len(row.tokens)
-            self.top_ids[slot] = None if target_top_ids is None else target_top_ids[slot - start, : len(row.tokens) - 1]
+            prompt = int(self.slots.prompt_lens[slot])
+            self.top_ids[slot] = None if target_top_ids is None else target_top_ids[slot - start, : prompt - 1]
 
     def new_pool(self) -> NgramPool:
         return NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
@@ -81,11 +81,11 @@ class PromptLookupProposer(Proposer):
     def _row(self, slot: int, k: int, s: int) -> tuple[list[int], list[int], list[int], list[bool]]:
         """Row `slot`'s draft of depth at most k with at most s siblings per node: tokens, parents, depths,
         relaxed flags of its nodes (the latest occurrence's chain first)."""
-        tokens = self.batch.rows[slot].tokens
+        tokens = self.slots.history[slot]
         starts = self.pools[slot].lookup(tokens) if k > 0 else []
         if not starts:
             return [], [], [], []
-        plen, top = self.prompt_len[slot], self.top_ids[slot]
+        plen, top = int(self.slots.prompt_lens[slot]), self.top_ids[slot]
         toks, parents, depths, relaxed, src = [], [], [], [], []
         children: dict[int, dict[int, int]] = {0: {}}  # node -> its children's tokens -> node
         budget = k * (1 + s)
@@ -129,14 +129,13 @@ class PromptLookupProposer(Proposer):
         after its earliest (a tree's, which merges every occurrence's); 0 where none occurred."""
         out = np.zeros((n, 1 + self.cfg.alignment_sampling), dtype=np.int64)
         for i in range(n):
-            tokens = self.batch.rows[i].tokens
+            tokens = self.slots.history[i]
             starts = self.pools[i].lookup(tokens)
             if starts:
                 out[i, 0], out[i, 1:] = len(tokens) - starts[-1], len(tokens) - starts[0]
         return out
 
     def propose(self, n: int, limits: np.ndarray, rows=None, draws=None, siblings: int | None = None) -> Draft:
-        b = self.batch
         s = self.cfg.alignment_sampling if siblings is None else min(siblings, self.cfg.alignment_sampling)
         rows = [self._row(i, int(limit), s) for i, limit in enumerate(limits.tolist())]
         t = max((len(r[0]) for r in rows), default=0)
@@ -148,7 +147,7 @@ class PromptLookupProposer(Proposer):
             host[i, 0] = m
             for j, values in enumerate((toks, parents, depths, relaxed)):
                 host[i, 1 + j * t : 1 + j * t + m] = values
-        both = b.to_device(host)
+        both = to_device(host, self.slots.device)
         tokens, parent, depth, relaxed = (both[:, 1 + j * t : 1 + (j + 1) * t] for j in range(4))
         row_depth = np.array([max(r[2], default=0) for r in rows], dtype=np.int64)
         branched = bool((host[:, 0] > row_depth).any())

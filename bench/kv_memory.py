@@ -38,7 +38,6 @@ from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.exec.graphs import pow2_at_least  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.exec.models import ModelPair  # noqa: E402
-from specdec.sched.rounds import Request  # noqa: E402
 
 
 def meta_llama(layers: int, d: int, heads: int, kv_heads: int, intermediate: int):
@@ -134,14 +133,13 @@ def rows_at_once(pool: int, slots: list[int], mean_slots: float, most: int) -> t
 
 def shared_rows(eng: SpecEngine, args, lengths: list[int], row_len: int, per_token: int, today: int) -> None:
     """The synthesis job's rows over a paged pool with prefix caching: the instruction's blocks once, each row's own
-    blocks (its input, its output and the draft's slack), as `generate()` sizes them (`SpecEngine.pool_sharing`)."""
+    blocks (its input, its output and the draft's slack), as `generate()` sizes them (`memory.pool_sharing`)."""
     rng = random.Random(1)
     instruction = [rng.randrange(1000) for _ in range(args.shared)]
     prompts = [instruction + [rng.randrange(1000) for _ in range(n - args.shared)] for n in lengths]
     prompts.sort(key=len, reverse=True)
-    requests = [Request(p, i, 0, eng.sampling, i) for i, p in enumerate(prompts)]
-    own_tokens, held_room = eng.pool_sharing(requests, list(range(len(requests))), args.rows)
     slots = [eng.row_tokens(len(p)) for p in prompts]
+    own_tokens, held_room = memory.pool_sharing(prompts, slots, args.rows, eng.prefix.block)
     need = eng.sizes(args.rows, row_len, max(lengths), eng.memory_plan(), slots, own_tokens, held_room)
     # less the scratch block and the instruction's blocks; own_tokens is in the prompts' order, longest first
     first, at_mean = rows_at_once(need.pool - BLOCK - held_room * BLOCK, own_tokens,

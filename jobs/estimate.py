@@ -28,6 +28,7 @@ def profile_job(spec, out_path: str) -> Profile:
     import torch
 
     from specdec.engine import SpecEngine
+    from specdec.exec.memory import Caches
     from specdec.exec.models import load_pair
     from workers.fetch import localize
     from workers.spec import models_used
@@ -41,7 +42,8 @@ def profile_job(spec, out_path: str) -> Profile:
     prof.hardware = f"{device_name(engine.device)}, {next(pair.target.parameters()).dtype}"
     # prefill per prompt token: one row of 256 tokens, beyond a prefill call's fixed cost
     tokens = torch.randint(0, pair.vocab_size, (1, 256), device=engine.device)
-    runner = engine.runner("target", 1, 300)
+    engine.hold(Caches(1, 300))
+    runner = engine.runner("target")
     times = []
     for _ in range(3):
         t0 = time.perf_counter()

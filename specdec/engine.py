@@ -21,20 +21,20 @@ them do too (specdec/exec/runner.py); on a GPU their size comes from a memory pl
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .exec import llama, memory
-from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, blocks_for, model_kv_bytes
+from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, model_kv_bytes
 from .exec.models import ModelPair
 from .exec.prefill import Prefiller
-from .exec.prefix import Prefixes, admission_order, shared_blocks, shared_tokens
+from .exec.prefix import Prefixes, admission_order
 from .exec.runner import ModelRunner
 from .exec.tp import TPRunner
 from .plan import profiler
@@ -52,16 +52,6 @@ from .spec.verify import CoupledRule
 CLUSTER_BLOCKS = 8
 
 
-def _graph_bytes(runner) -> int:
-    """Bytes a runner's captured steps keep (static inputs and outputs)."""
-    from torch.utils._pytree import tree_flatten
-
-    graphs = getattr(getattr(runner, "graphs", None), "graphs", None) or {}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tree_flatten(list(graphs.values()))[0] if isinstance(t, torch.Tensor)}
-    return sum(storages.values())
-
-
 class SpecEngine:
     """Generation over a model pair. `fast_path=False` runs every model through transformers' own modules
     (no lean Llama forward, no CUDA graphs); `step_graphs` overrides where steps replay captured graphs
@@ -75,13 +65,15 @@ class SpecEngine:
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
     whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
-    forwards of their own first; bench/join_speed.py compares)."""
+    forwards of their own first; bench/join_speed.py compares). `step_fault`: a test's hook that fails the first fast
+    step of a shape (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
-                 kv_cache: str = "dense", join_prefills: bool = True):
+                 kv_cache: str = "dense", join_prefills: bool = True,
+                 step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -108,6 +100,7 @@ class SpecEngine:
         self.fast_path = fast_path
         self.step_graphs = step_graphs
         self.gpu_memory_fraction = gpu_memory_fraction
+        self.step_fault = step_fault
         self._runners: dict[str, ModelRunner] = {}
         self.prefix = Prefixes(prefix_cache_bytes, {
             name: model_kv_bytes(model) for name, model in self._models().items()
@@ -116,7 +109,8 @@ class SpecEngine:
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/exec/memory.py)
         self.graph_width = max_draft + 1
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
-        self.need: memory.Need | None = None  # what the memory plan counted for the last batch
+        self.caches: memory.Caches | None = None  # the sizes of the models' caches (`hold` allocates them)
+        self.need: memory.Need | None = None  # what the memory plan sized the last batch to (None: no plan)
         self.plan_check()
         rule = self.method.rule(spec)
         stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(pair.stop_token_ids)
@@ -196,7 +190,8 @@ class SpecEngine:
 
     def resident_bytes(self) -> int:
         """Device bytes the engine holds between generate() calls: its caches, captured steps and kept prefixes."""
-        return (sum(r.cache.nbytes() + _graph_bytes(r) for r in self._runners.values())
+        graphs = (getattr(r, "graphs", None) for r in self._runners.values())
+        return (sum(r.cache.nbytes() for r in self._runners.values()) + sum(g.nbytes() for g in graphs if g)
                 + (self.prefix.device_bytes if self.prefix is not None else 0))
 
     def row_tokens(self, prompt_tokens: int, max_new: int | None = None) -> int:
@@ -204,11 +199,8 @@ class SpecEngine:
         return prompt_tokens + (max_new or self.sampling.max_new_tokens) + self.spec.max_nodes + 2
 
     def alloc_len(self, slots: int) -> int:
-        """Slots the engine allocates per row for rows of `slots` slots: room to grow, rounded up to a quarter of
-        a power of two (at most 1.25x; caches that grow take a few sizes per doubling), and one more (the slot
-        that padded positions are clamped into), but never past the models' positions: every slot's position has
-        a RoPE table entry (specdec/exec/llama.py). The one length both the allocation and the memory plan count."""
-        return max(slots, min(memory.quarter_steps(slots) + 1, self.max_positions))
+        """Slots the engine allocates per row for rows of `slots` slots (`memory.alloc_len`)."""
+        return memory.alloc_len(slots, self.max_positions)
 
     def plan_check(self) -> None:
         """Refuse now what could never run on a GPU: one row of a one-token prompt plus max_new_tokens."""
@@ -219,106 +211,59 @@ class SpecEngine:
             if not plan.fits(need):
                 raise plan.refuse(need, f"one row of a 1-token prompt + max_new_tokens {self.sampling.max_new_tokens}")
 
-    def runner(self, name: str, rows: int, max_len: int, blocks: int | None = None) -> ModelRunner:
-        """The runner of model `name` over a cache of at least `rows` rows and `max_len` slots (paged: and `blocks`
-        blocks; None: every row whole). The caches grow (all models' together, their graphs dropped) and never
-        shrink: a job's worker ends up with one size and reuses its captured steps from shard to shard."""
-        have = self._runners.get(name)
-        blocks = self.pool_blocks([self.alloc_len(max_len)] * rows) if blocks is None else blocks
-        if have is None or have.cache.rows < rows or have.cache.max_len < max_len or \
-                getattr(have.cache, "blocks", blocks) < blocks:
-            self._allocate(*self._grown(rows, max_len, blocks))
+    def runner(self, name: str) -> ModelRunner | TPRunner:
+        """The runner of model `name` over its current cache (`hold` sizes the caches)."""
         return self._runners[name]
 
-    @staticmethod
-    def pool_blocks(slots: list[int]) -> int:
-        """Blocks of a paged cache that holds rows of these `slots` at once, and the scratch block."""
-        return 1 + sum(blocks_for(s) for s in slots)
-
-    def _grown(self, rows: int, max_len: int, blocks: int = 0) -> tuple[int, int, int]:
-        """(rows, slots, blocks) of caches holding `rows` rows of `max_len` slots (and paged, `blocks` blocks)
-        that keep what the current ones hold."""
-        old = next(iter(self._runners.values()), None)
-        if old is None:
-            return rows, self.alloc_len(max_len), blocks
-        length = old.cache.max_len if max_len <= old.cache.max_len else self.alloc_len(max_len)
-        return max(rows, old.cache.rows), length, max(blocks, getattr(old.cache, "blocks", 0))
-
-    def _allocate(self, rows: int, max_len: int, blocks: int = 0) -> None:
-        """Caches of exactly `rows` rows x `max_len` slots for every model, paged ones of `blocks` blocks (the old
-        ones and their graphs go first)."""
-        if max_len > self.max_positions:
-            raise ValueError(f"{max_len} cache slots exceed the models' {self.max_positions} positions")
-        self._runners.clear()
+    def hold(self, caches: memory.Caches, exact: bool = False) -> None:
+        """The engine's one allocator: caches of every model that hold `caches` (rows, each row's slots, a paged
+        pool's blocks): the current ones when they do, else caches grown to hold both (all models' together, their
+        captured steps dropped); `exact`: caches of exactly these sizes (a memory plan's). The caches outlive
+        generate() calls: a job's worker ends up with one size and reuses its captured steps from shard to shard."""
+        if self.kv_cache != "paged":
+            caches = replace(caches, blocks=0)
+        if exact:
+            if caches == self.caches:
+                return
+        elif self.caches is not None and self.caches.holds(caches):
+            return
+        else:
+            caches = memory.grown(self.caches, caches, self.alloc_len)
+        if caches.max_len > self.max_positions:
+            raise ValueError(f"{caches.max_len} cache slots exceed the models' {self.max_positions} positions")
+        self._runners.clear()  # the old caches and their graphs go first
+        self.caches = None
         if self.prefix is not None:
             self.prefix.detach()  # blocks pinned in the old pools go with them
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the old graphs' private pool goes back to the device
+        rows, max_len, blocks = caches.rows, caches.max_len, caches.blocks
         for name, model in self._models().items():
             if name == "target" and self.pair.tp is not None:  # a tensor-parallel target: every rank allocates
                 self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
                 continue
             cache = PagedKVCache(model, rows, max_len, blocks) if self.kv_cache == "paged" else \
                 RaggedKVCache(model, rows, max_len)
-            runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs)
+            runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs,
+                                 fault=self.step_fault)
             runner.max_graph_width = self.graph_width
             self._runners[name] = runner
+        self.caches = caches
 
     def sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan | None,
               slots: list[int] | None = None, own: list[int] | None = None, shared: int = 0) -> memory.Need | None:
         """The caches (rows, slots; paged: the pool) to hold and the rows a batch may have (`batch`: up to `want`)
         for rows of up to `row_len` slots whose prompts have up to `prompt` tokens (for a paged pool: `slots`, each
-        row's; `own`, the slots each writes, and `shared`, the blocks rows running together share): the current
-        caches, grown where too small, when the plan fits them, else the largest fresh ones it fits (None without a
-        plan: the current caches, grown). Raises `OutOfMemoryPlan` when not one row fits."""
+        row's; `own`, the slots each writes, and `shared`, the blocks rows running together share), beside the
+        caches held now (`memory.dense_sizes`, `memory.paged_sizes`); None without a plan. Raises
+        `OutOfMemoryPlan` when not one row fits."""
         if plan is None:
             return None
         if self.kv_cache == "paged":
             slots = sorted(slots or [row_len], reverse=True)
-            return self._paged_sizes(want, row_len, prompt, plan, slots, sorted(own or slots, reverse=True), shared)
-        options = [lambda r: self._grown(r, row_len)[:2]]  # keep what the caches hold (their captured steps too)
-        if self._runners:
-            options.append(lambda r: (r, self.alloc_len(row_len)))  # or replace them by smaller ones
-        for size in options:
-            rows = memory.largest(lambda r: plan.fits(plan.need(*size(r), r, row_len, prompt)), want)
-            if rows:
-                return plan.need(*size(rows), rows, row_len, prompt)
-        raise plan.refuse(plan.need(*options[-1](1), 1, row_len, prompt), f"one row of {row_len} slots")
-
-    def _paged_sizes(self, want: int, row_len: int, prompt: int, plan: memory.MemoryPlan,
-                     slots: list[int], own: list[int], shared: int) -> memory.Need:
-        """Paged caches for rows of these `slots` (longest first) that write `own` slots each (longest first) and
-        share `shared` blocks: the most rows (up to `want`) whose steps and activations leave a pool for the shared
-        blocks and that many rows of the mean own reservation (and for the longest row whole), the pool taking what
-        they leave, up to what the longest rows reserve together; or the current caches, when the plan fits them and
-        they have as many rows and blocks. Rows join while blocks are free."""
-        length = self.alloc_len(row_len)
-        mean = sum(blocks_for(s) for s in own) / len(own)
-        least = self.pool_blocks(slots[:1])  # the longest row alone
-
-        def need(rows: int, blocks: int) -> memory.Need:
-            return plan.need(rows, length, rows, row_len, prompt, pool=blocks * BLOCK)
-
-        def serves(blocks: int, rows: int) -> bool:  # the longest row alone, and the shared and the mean rows together
-            return blocks >= least and blocks - 1 - shared >= rows * mean
-
-        @functools.cache
-        def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
-            most = max(least, self.pool_blocks(own[:rows]) + shared)
-            return memory.largest(lambda b: plan.fits(need(rows, b)), most)
-
-        rows = memory.largest(lambda r: serves(pool(r), r), want)
-        if not rows:
-            raise plan.refuse(need(1, least), f"one row of {row_len} slots")
-        have = self._runners.get("target")
-        if have is not None:  # the current caches, and their captured steps, when they serve as many rows
-            cache = have.cache
-            if cache.max_len >= length and cache.rows >= rows and serves(cache.blocks, rows):
-                keep = plan.need(cache.rows, cache.max_len, min(want, cache.rows), row_len, prompt,
-                                 pool=cache.blocks * BLOCK)
-                if plan.fits(keep):
-                    return keep
-        return need(rows, pool(rows))
+            return memory.paged_sizes(plan, want, row_len, prompt, slots, sorted(own or slots, reverse=True), shared,
+                                      self.caches, self.alloc_len)
+        return memory.dense_sizes(plan, want, row_len, prompt, self.caches, self.alloc_len)
 
     @property
     def step_path(self) -> str:
@@ -339,8 +284,10 @@ class SpecEngine:
         whole), built whole: the models' prefills, its proposer, `policy`'s per-row state, the rows' output formats
         (`formats`: some row may have one) and, with `prefixes`, the engine's prefix stores (over a paged pool they
         pin its blocks)."""
-        target = self.runner("target", rows, max_len, blocks)
-        draft = self.runner("draft", rows, max_len, blocks) if self.method.draft_model else None
+        self.hold(memory.Caches(rows, max_len, memory.pool_blocks([self.alloc_len(max_len)] * rows)
+                                if blocks is None else blocks))
+        target = self._runners["target"]
+        draft = self._runners["draft"] if self.method.draft_model else None
         slots = Slots(rows, max_len, self.device)
         stores = self.prefix if prefixes else None
 
@@ -358,6 +305,7 @@ class SpecEngine:
         if stores is not None:
             stores.attach({name: r.cache for name, r in self._runners.items()}, {"target": proposer.prompt_top_ids})
         return batch
+
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
         """The longest prompt a row of `max_new` new tokens can take: every slot of the row (the draft's slack
@@ -421,62 +369,49 @@ class SpecEngine:
         if todo:
             policy = self.measure_costs()
             todo = self.admission_order(requests, todo)
-            max_len = max(self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo)
-            want = min(self.batch_size, len(todo))
             plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
-            longest = max(len(requests[i].prompt) for i in todo)
-            slots = sorted((self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo),
-                           reverse=True)
-            own, shared = None, 0
-            if plan is not None:
-                plan.held = self.prefix_room(plan, requests, todo, want)
-                own, shared = self.pool_sharing(requests, todo, want)
-            try:
-                need = self.sizes(want, max_len, longest, plan, slots, own, shared)
-            except memory.OutOfMemoryPlan:
-                if plan is None or not plan.held:
-                    raise
-                plan.held = 0  # not one row fits beside the shared prefixes: rows come first
-                need = self.sizes(want, max_len, longest, plan, slots, own, shared)
-            self.need = need
-            blocks = self.pool_blocks(slots[:want])  # a paged pool for the longest rows at once
-            if need is not None:  # the plan's caches (the current ones, or fresh ones it fits)
-                blocks = need.pool // BLOCK if need.pool else blocks
-                have = self._runners.get("target")
-                if have is None or (have.cache.rows, have.cache.max_len, getattr(have.cache, "blocks", blocks)) != \
-                        (need.rows, need.max_len, blocks):
-                    self._allocate(need.rows, need.max_len, blocks)
+            slots = [self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo]
+            want, blocks = min(self.batch_size, len(todo)), None
+            self.need = self.size_batch(plan, requests, todo, want)
+            if self.need is not None:  # the plan's caches: the current ones, or fresh ones it fits
+                need = self.need
+                blocks = need.pool // BLOCK if need.pool else memory.pool_blocks(sorted(slots, reverse=True)[:want])
+                self.hold(memory.Caches(need.rows, need.max_len, blocks), exact=True)
                 want = need.batch
                 if self.prefix is not None and not need.pool:  # the prefixes keep what was held and what rows leave
-                    self.prefix.limit(max(0, plan.budget - need.total) + plan.held)
-            batch = self.new_batch(want, max_len, policy, blocks,
+                    self.prefix.limit(plan.left(need))
+            batch = self.new_batch(want, max(slots), policy, blocks,
                                    formats=any(requests[i].sp.grammar is not None for i in todo))
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 
+    def size_batch(self, plan: memory.MemoryPlan | None, requests: list[Request], todo: list[int],
+                   want: int) -> memory.Need | None:
+        """What a batch of up to `want` rows of the requests `todo` (in admission order) takes under `plan` (None
+        without one): with prefix caching over dense caches, room held back for the prefixes rows running together
+        share (`memory.prefix_room`, unless not one row fits beside it); over a paged pool, the blocks rows share by
+        reference counted once (`memory.pool_sharing`)."""
+        if plan is None:
+            return None
+        slots = [self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo]
+        longest = max(len(requests[i].prompt) for i in todo)
+        own, shared = None, 0
+        if self.prefix is not None and self.kv_cache == "paged":  # the store's blocks are the pool's
+            own, shared = memory.pool_sharing([requests[i].prompt for i in todo], slots, want, self.prefix.block)
+        held = self.prefix_room(plan, requests, todo, want)
+        return memory.size_batch(plan, held, lambda p: self.sizes(want, max(slots), longest, p, slots, own, shared))
+
     def prefix_room(self, plan: memory.MemoryPlan, requests: list[Request], todo: list[int], rows: int) -> int:
-        """Bytes the plan holds back from the rows for the prefix store: the prefixes that the prompts of rows running
-        together share (`shared_tokens` over the admission order `todo`, a prompt's samples counted once), at most a
-        quarter of the budget and the store's own. Without them, a batch that the memory bounds would leave the store
-        nothing, and every row would compute a shared instruction again."""
-        if self.prefix is None or self.kv_cache == "paged":  # paged: the store's blocks are the pool's
+        """Bytes to hold back from dense rows for the prefix store (`memory.prefix_room`: the prefixes that `rows`
+        rows of `todo`, a prompt's samples counted once, running together share); none over a paged pool (the store's
+        blocks are the pool's) or without prefix caching."""
+        if self.prefix is None or self.kv_cache == "paged":
             return 0
         prompts: dict[int, list[int]] = {}  # a prompt per group, in admission order
         for i in todo:
             prompts.setdefault(requests[i].group, requests[i].prompt)
-        tokens = shared_tokens(list(prompts.values()), rows, self.prefix.block)
-        return min(tokens * self.prefix.per_token, max(0, plan.budget) // 4, self.prefix.budget)
-
-    def pool_sharing(self, requests: list[Request], todo: list[int], rows: int) -> tuple[list[int] | None, int]:
-        """For a paged pool with prefix caching: the slots each row of `todo` writes (its own: its prompt's whole
-        blocks that another row's prompt shares it holds by reference), and the most blocks `rows` rows running
-        together share (the pool holds them once); (None, 0) otherwise."""
-        if self.prefix is None or self.kv_cache != "paged":
-            return None, 0
-        prompts = [requests[i].prompt for i in todo]
-        own = [self.row_tokens(len(p), requests[i].sp.max_new_tokens) - n * self.prefix.block
-               for i, p, n in zip(todo, prompts, shared_blocks(prompts, self.prefix.block))]
-        return own, shared_tokens(prompts, rows, self.prefix.block) // self.prefix.block
+        return memory.prefix_room(plan, list(prompts.values()), rows, self.prefix.block, self.prefix.per_token,
+                                  self.prefix.budget)
 
     def admission_order(self, requests: list[Request], todo: list[int]) -> list[int]:
         """The order rows are admitted in. Longest first: similar lengths run together and the long tail does not

@@ -208,17 +208,16 @@ def test_fast_paths_give_transformers_greedy_output(target, prompts, method, gra
 
 
 @pytest.mark.parametrize("fault", ["raise", "nan", "off"])
-def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, monkeypatch, fault):
+def test_a_failing_fast_step_falls_back_to_eager_per_shape(target, prompts, fault):
     """The first step of each shape on the fast path is checked against eager: a capture that raises or
     non-finite logits sends that shape to eager (same greedy tokens, '+eager-fallback'); a sound one stays."""
-    from specdec.exec import graphs, runner
     seen = []
     spec = SpecConfig(method="draft_model", num_draft_tokens=3, draft_length="fixed")
     sp = SamplingParams(max_new_tokens=MAX_NEW)
     ref = [r.token_ids for r in SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3,
                                            step_graphs=False).generate(prompts)]
-    monkeypatch.setattr(graphs, "fault", lambda key: seen.append(key) or (None if fault == "off" else fault))
-    eng = SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3)  # graphs: the hook's doing
+    eng = SpecEngine(pair(target, noisy_copy(target, 0.02)), sp, spec, batch_size=3,  # graphs: the hook's doing
+                     step_fault=lambda key: seen.append(key) or (None if fault == "off" else fault))
     assert [r.token_ids for r in eng.generate(prompts)] == ref
     runners = eng._runners.values()
     assert len(seen) == sum(len(r.checked) + len(r.eager) for r in runners) > 1  # each runner checks a shape once

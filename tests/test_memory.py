@@ -11,6 +11,7 @@ as a graph would. Device figures are injected through `SpecEngine.device_memory`
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -376,6 +377,40 @@ def test_the_allocated_length_is_at_most_a_quarter_more_and_one_within_the_posit
     assert eng._runners["target"].cache.max_len == eng.alloc_len(eng.row_tokens(5)) == 29
 
 
+def test_caches_come_from_one_allocator_and_a_lookup_never_reallocates(models):
+    """`hold` is where caches are allocated: it keeps caches that hold what is asked (a lookup after it finds the same
+    runners), grows every model's together where they do not (keeping the longer rows), and allocates a plan's sizes
+    exactly; `runner` only looks up."""
+    eng = make_engine(models)
+    eng.hold(memory.Caches(2, 40))
+    first = eng.runner("target")
+    assert eng.caches == memory.Caches(2, eng.alloc_len(40)) and eng.runner("target") is first
+    eng.hold(memory.Caches(1, 30))
+    assert eng.runner("target") is first and eng.runner("draft").cache.rows == 2
+    eng.hold(memory.Caches(3, 30))
+    assert eng.runner("target") is not first and eng.caches == memory.Caches(3, eng.alloc_len(40))
+    assert eng.runner("draft").cache.rows == 3
+    eng.hold(memory.Caches(1, 30), exact=True)
+    assert eng.caches == memory.Caches(1, 30) == memory.Caches(eng.runner("draft").cache.rows,
+                                                              eng.runner("draft").cache.max_len)
+
+
+def test_the_prefix_room_yields_to_one_row_and_the_plan_says_so(models):
+    """Sizing a batch with room held back for the prefix store is a function of the plan: when not one row fits
+    beside the room, the batch is sized without it, the `Need` says so, and the plan is left as it was."""
+    eng = make_engine(models)
+    plan = eng.memory_plan()
+    row = eng.row_tokens(100)
+    one = plan.need(1, eng.alloc_len(row), 1, row, 100)
+    plan = replace(plan, used=int(plan.fraction * plan.total) - plan.slack - one.total - 1000)  # one row, and 1000
+    size = lambda p: eng.sizes(4, row, 100, p)  # noqa: E731
+    assert memory.size_batch(plan, 500, size).held == 500 and memory.size_batch(plan, 500, size).batch == 1
+    fallback = memory.size_batch(plan, one.total, size)
+    assert fallback.held == 0 and fallback.batch == 1 and plan.held == 0
+    with pytest.raises(memory.OutOfMemoryPlan):
+        memory.size_batch(replace(plan, used=plan.used + 2000), 0, size)
+
+
 @pytest.fixture(scope="module")
 def short_context():
     """A target whose position table has 64 entries."""
@@ -414,7 +449,7 @@ def test_rows_past_the_position_table_are_refused_before_they_run(short_context,
     cut, = eng.generate([over], truncate="left")
     assert cut.error is None and cut.prompt_tokens == room
     with pytest.raises(ValueError, match="65 cache slots exceed the models' 64 positions"):
-        eng.runner("target", 1, 65)
+        eng.hold(memory.Caches(1, 65))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -10,9 +10,10 @@ reaches them (the driver, a worker, a tensor-parallel rank). Unset, every hook i
   `DIR/<pid>.<phase>` (holding its Ray node's id) and waits until that file is gone (the test removed it, or killed the process);
   `DIR/open` turns the gate off.
 - `SPECBATCH_FAULT_OOM_ROWS=N`: `oom_rows()`; a worker's batches of more than N rows run out of memory.
-- `SPECBATCH_FAULT_FASTPATH=raise|nan`: `install_engine_hooks()` (in each worker) makes the first step of every
-  shape on the fast path fail (raise: capture or compilation fails; nan: non-finite logits), through
-  specdec/exec/graphs.py's `fault` hook; on CPU the worker then takes the static steps, to have them fail.
+- `SPECBATCH_FAULT_FASTPATH=raise|nan`: `step_fault()` (each worker gives it to its engines) makes the first step
+  of every shape on the fast path fail (raise: capture or compilation fails; nan: non-finite logits), through the
+  engine's `step_fault` hook (specdec/exec/runner.py); on CPU the runners then take the static steps, to have them
+  fail.
 - `SPECBATCH_STORAGE_FAULTS="put:2,get:1"`: `storage(kind)` is true for the next N storage calls of that kind
   (put, get, head, list, delete) in this process, which then fail as a transient error would (workers/storage.py).
 """
@@ -65,13 +66,10 @@ def oom_rows() -> int:
     return int(os.environ.get("SPECBATCH_FAULT_OOM_ROWS", "0"))
 
 
-def install_engine_hooks() -> None:
-    """Set specdec's own hooks from this process's environment (SPECBATCH_FAULT_FASTPATH)."""
+def step_fault():
+    """The engine's `step_fault` hook from this process's environment (SPECBATCH_FAULT_FASTPATH; None: off)."""
     mode = os.environ.get("SPECBATCH_FAULT_FASTPATH")
-    if mode:
-        from specdec.exec import graphs
-
-        graphs.fault = lambda key: mode
+    return (lambda key: mode) if mode else None
 
 
 def storage(kind: str) -> bool:

@@ -45,7 +45,6 @@ class GenerationWorker:
         stage("starting")
         if faults.once("EXIT_IN_INIT"):  # test hook: die while loading the models
             os._exit(1)
-        faults.install_engine_hooks()
         self.spec = spec
         used = models_used(spec.models, spec.speculation)
         remote = [key for key, src in used.items() if source_kind(src.path) in ("pypi", "s3")]
@@ -71,7 +70,7 @@ class GenerationWorker:
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction,
-                                 **spec.resources.engine_settings())
+                                 step_fault=faults.step_fault(), **spec.resources.engine_settings())
         if self.engine.needs_costs:
             stage("measuring the pair's step costs (draft_length: goodput)")
         with _group_guard():
@@ -150,7 +149,7 @@ class GenerationWorker:
             self._control = SpecEngine(self.pair, self.spec.generation, SpecConfig(method="none"),
                                        batch_size=self.engine.batch_size,
                                        gpu_memory_fraction=self.spec.resources.gpu_memory_fraction,
-                                       **self.spec.resources.engine_settings())
+                                       step_fault=faults.step_fault(), **self.spec.resources.engine_settings())
         return self._control
 
     def generate(self, engine, prompts: list[list[int]], keys: list[str],

@@ -29,11 +29,6 @@ import torch
 _COMPILED: dict[str, Callable] = {}
 _SIDE: dict[int, torch.cuda.Stream] = {}  # side_stream()'s, by device index
 
-# test hook (workers/faults.py sets it): called with a step's key the first time a fast step of that key runs
-# (specdec/exec/runner.py); returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
-# non-finite). None: off.
-fault: Callable[[tuple], str | None] | None = None
-
 
 def pow2_at_least(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1): the buckets steps' rows and attention windows are padded to."""
@@ -117,6 +112,14 @@ class StepGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+
+    def nbytes(self) -> int:
+        """Bytes the captured steps keep (static inputs and outputs)."""
+        from torch.utils._pytree import tree_flatten
+
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tree_flatten(list(self.graphs.values()))[0] if isinstance(t, torch.Tensor)}
+        return sum(storages.values())
 
     def __len__(self) -> int:
         return len(self.graphs)

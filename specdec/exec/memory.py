@@ -4,7 +4,7 @@ The plan counts what the engine allocates and what its forwards hold at their pe
 under `gpu_memory_fraction` of the device once the weights are loaded (`used`: the weights, the process's
 other tensors, other processes; the engine's current caches and captured steps count as free, since a new
 allocation replaces them):
-- the KV caches: rows x the slots the engine allocates (`SpecEngine.alloc_len`: rounded up, at most 1.25x, and
+- the KV caches: rows x the slots the engine allocates (`alloc_len`: rounded up, at most 1.25x, and
   one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
   (specdec/exec/cache.py): its pool's slots instead, and its block tables;
 - captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
@@ -16,21 +16,26 @@ allocation replaces them):
   and the float32 work on the draft's and the target's distributions) with one row's last chunk of prefill in
   its forward (rows that join while others decode), and the draft's catch-up of whole rows (rows that joined
   while the policy did not draft);
-- `held`: room kept for the prefix store, the prefixes a batch's rows share (`SpecEngine.prefix_room`);
+- `held`: room kept for the prefix store, the prefixes a batch's rows share (`prefix_room`);
 - `slack` for what is neither: the allocator's rounding, and the cuBLAS workspaces torch keeps for each stream
   that runs a matmul (`STREAM_WORKSPACE` each; two streams: the default one, and the one captures run on).
 A batch that does not fit runs with fewer rows; a config whose one row of a one-token prompt does not fit is
 refused at start (`OutOfMemoryPlan`, naming the figures and the keys to change).
+
+The sizing is pure: `dense_sizes`, `paged_sizes` and `size_batch` are functions of the plan, the rows' lengths and
+the sizes of the caches an engine holds now (`Caches`); the engine allocates what they return (`SpecEngine.hold`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-from .cache import blocks_for, model_kv_shape
+from .cache import BLOCK, blocks_for, model_kv_shape
 from .graphs import pow2_at_least
+from .prefix import shared_blocks, shared_tokens
 
 GiB = 1 << 30
 STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)
@@ -158,6 +163,7 @@ class Need:
     graphs: int  # captured steps: kept inputs and outputs, and one step's working memory
     activations: int  # the largest forward (a prefill, a catch-up) or round
     pool: int | None = None  # a paged cache's slots (specdec/exec/cache.py); None: dense rows x max_len
+    held: int = 0  # bytes of the plan held back for the prefix store beside these
 
     @property
     def total(self) -> int:
@@ -186,7 +192,7 @@ class MemoryPlan:
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads
-    held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (SpecEngine.generate)
+    held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (`prefix_room`)
     slack: int = GiB // 2
 
     @property
@@ -215,7 +221,7 @@ class MemoryPlan:
         # whose rows cost more than a joining row's attention)
         acts = [self.prefill(self.roles[0], batch, prompt), round_ + self.prefill(self.roles[0], 1, prompt)]
         acts += [self.catch_up(role, batch, row_len) for role in self.roles[1:]]
-        return Need(rows, max_len, batch, kv, graphs, max(acts), pool)
+        return Need(rows, max_len, batch, kv, graphs, max(acts), pool, self.held)
 
     def prefill(self, role: Role, batch: int, prompt: int) -> int:
         """Peak bytes of a prefill of `batch` rows of up to `prompt` tokens: its largest forward (rows x tokens
@@ -246,6 +252,10 @@ class MemoryPlan:
 
     def fits(self, need: Need) -> bool:
         return need.total <= self.budget
+
+    def left(self, need: Need) -> int:
+        """Bytes the prefix store may take beside `need`: what was held back for it, and what the rows leave."""
+        return max(0, replace(self, held=need.held).budget - need.total) + need.held
 
     def refuse(self, need: Need, what: str) -> OutOfMemoryPlan:
         return OutOfMemoryPlan(
@@ -280,3 +290,118 @@ def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` (or the failure it reports, e.g. another process's) is running out of memory."""
     text = str(exc).lower()
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "can't allocate memory" in text
+
+
+@dataclass(frozen=True)
+class Caches:
+    """The sizes of an engine's KV caches (every model's alike): `rows` rows of `max_len` slots; a paged cache, a
+    pool of `blocks` blocks (0: dense rows)."""
+
+    rows: int
+    max_len: int
+    blocks: int = 0
+
+    def holds(self, other: Caches) -> bool:
+        return self.rows >= other.rows and self.max_len >= other.max_len and self.blocks >= other.blocks
+
+
+def alloc_len(slots: int, max_positions: int) -> int:
+    """Slots allocated per row for rows of `slots` slots: room to grow, rounded up to a quarter of a power of two (at
+    most 1.25x; caches that grow take a few sizes per doubling), and one more (the slot that padded positions are
+    clamped into), but never past the models' positions: every slot's position has a RoPE table entry
+    (specdec/exec/llama.py). The one length both the allocation and the plan count."""
+    return max(slots, min(quarter_steps(slots) + 1, max_positions))
+
+
+def pool_blocks(slots: Sequence[int]) -> int:
+    """Blocks of a paged cache that holds rows of these `slots` at once, and the scratch block."""
+    return 1 + sum(blocks_for(s) for s in slots)
+
+
+def grown(current: Caches | None, want: Caches, length: Callable[[int], int]) -> Caches:
+    """Caches that hold `want` (its `max_len`: the slots a row needs) and what `current` holds: current's sizes where
+    they do, else grown (a row's slots allocated by `length`)."""
+    if current is None:
+        return Caches(want.rows, length(want.max_len), want.blocks)
+    max_len = current.max_len if want.max_len <= current.max_len else length(want.max_len)
+    return Caches(max(want.rows, current.rows), max_len, max(want.blocks, current.blocks))
+
+
+def dense_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, current: Caches | None,
+                length: Callable[[int], int]) -> Need:
+    """Dense caches and the rows a batch may have (`batch`: up to `want`) for rows of up to `row_len` slots whose
+    prompts have up to `prompt` tokens: the current caches, grown where too small, when the plan fits them (their
+    captured steps are kept), else the largest fresh ones it fits. Raises `OutOfMemoryPlan` when not one row fits."""
+    options = [lambda r: grown(current, Caches(r, row_len), length)]
+    if current is not None:
+        options.append(lambda r: Caches(r, length(row_len)))  # or replace them by smaller ones
+    for size in options:
+        rows = largest(lambda r: plan.fits(plan.need(size(r).rows, size(r).max_len, r, row_len, prompt)), want)
+        if rows:
+            return plan.need(size(rows).rows, size(rows).max_len, rows, row_len, prompt)
+    one = options[-1](1)
+    raise plan.refuse(plan.need(one.rows, one.max_len, 1, row_len, prompt), f"one row of {row_len} slots")
+
+
+def paged_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, slots: list[int], own: list[int],
+                shared: int, current: Caches | None, length: Callable[[int], int]) -> Need:
+    """Paged caches for rows of these `slots` (longest first) that write `own` slots each (longest first) and share
+    `shared` blocks: the most rows (up to `want`) whose steps and activations leave a pool for the shared blocks and
+    that many rows of the mean own reservation (and for the longest row whole), the pool taking what they leave, up
+    to what the longest rows reserve together; or the `current` caches, when the plan fits them and they have as
+    many rows and blocks. Rows join while blocks are free. Raises `OutOfMemoryPlan` when not one row fits."""
+    size = length(row_len)
+    mean = sum(blocks_for(s) for s in own) / len(own)
+    least = pool_blocks(slots[:1])  # the longest row alone
+
+    def need(rows: int, blocks: int) -> Need:
+        return plan.need(rows, size, rows, row_len, prompt, pool=blocks * BLOCK)
+
+    def serves(blocks: int, rows: int) -> bool:  # the longest row alone, and the shared and the mean rows together
+        return blocks >= least and blocks - 1 - shared >= rows * mean
+
+    pools: dict[int, int] = {}
+
+    def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
+        if rows not in pools:
+            most = max(least, pool_blocks(own[:rows]) + shared)
+            pools[rows] = largest(lambda b: plan.fits(need(rows, b)), most)
+        return pools[rows]
+
+    rows = largest(lambda r: serves(pool(r), r), want)
+    if not rows:
+        raise plan.refuse(need(1, least), f"one row of {row_len} slots")
+    if current is not None and current.max_len >= size and current.rows >= rows and serves(current.blocks, rows):
+        keep = plan.need(current.rows, current.max_len, min(want, current.rows), row_len, prompt,
+                         pool=current.blocks * BLOCK)
+        if plan.fits(keep):  # the current caches, and their captured steps, serve as many rows
+            return keep
+    return need(rows, pool(rows))
+
+
+def size_batch(plan: MemoryPlan, held: int, size: Callable[[MemoryPlan], Need]) -> Need:
+    """`size`'s batch under `plan` with `held` bytes kept back for the prefix store, or with none when not one row
+    fits beside them (rows come first); the `Need` says which (`Need.held`)."""
+    try:
+        return size(replace(plan, held=held))
+    except OutOfMemoryPlan:
+        if not held:
+            raise
+        return size(replace(plan, held=0))
+
+
+def prefix_room(plan: MemoryPlan, prompts: list[Sequence[int]], rows: int, block: int, per_token: int,
+                cap: int) -> int:
+    """Bytes to hold back from the rows for the prefix store: the prefixes that the prompts (one per prompt, in
+    admission order) of `rows` rows running together share (`shared_tokens`, `per_token` bytes a token), at most a
+    quarter of the plan's budget and `cap` (the store's own). Without them, a batch that the memory bounds would
+    leave the store nothing, and every row would compute a shared instruction again."""
+    return min(shared_tokens(prompts, rows, block) * per_token, max(0, plan.budget) // 4, cap)
+
+
+def pool_sharing(prompts: list[Sequence[int]], slots: list[int], rows: int, block: int) -> tuple[list[int], int]:
+    """For a paged pool whose prefix store shares whole prompt blocks: the slots each row (of `slots` slots, its
+    prompt in `prompts`) writes itself (its prompt's whole blocks that another prompt shares it holds by reference),
+    and the most blocks `rows` rows running together share (the pool holds them once)."""
+    own = [s - n * block for s, n in zip(slots, shared_blocks(prompts, block))]
+    return own, shared_tokens(prompts, rows, block) // block

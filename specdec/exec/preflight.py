@@ -113,7 +113,8 @@ def group_checks(engine, mib: int = 64) -> list[dict]:
     prefix, step, positions = _inputs(engine.vocab_size, device)
     with torch.inference_mode():
         try:
-            runner = engine.runner("target", 2, 130)
+            engine.hold(memory.Caches(2, 130))
+            runner = engine.runner("target")
             runner.prefill(prefix, 0, 2)
             (logits, _), seconds = _timed(lambda: runner.step(step, positions, 16), device)
             finite = bool(torch.isfinite(logits).all())

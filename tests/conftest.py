@@ -7,6 +7,9 @@ import os
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `pytest -n N`: one core each (torch reads this at import)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 WORDS = ("the a of to and in is it you that he was for on are with as I his they be at one have this from "
          "or had by hot word but what some we can out other were all there when up use your how said an each "
          "she which do their time if will way about many then them write would like so these her long make "

@@ -161,7 +161,8 @@ class Rounds:
                                 [len(self.requests[i].prompt) - 1 for i in lead]) if store else [False] * len(lead)
         # rows sharing a prefix not stored yet with a row before them go after the others, once those are stored
         lead = [i for i, f in zip(lead, later) if not f] + [i for i, f in zip(lead, later) if f]
-        order = lead + [i for i in indices if i not in set(lead)]
+        leads = set(lead)
+        order = lead + [i for i in indices if i not in leads]
         start, mid, end = b.n, b.n + len(lead), b.n + len(order)
         rows = []
         for i in order:

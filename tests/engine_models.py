@@ -31,6 +31,16 @@ def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, init: float = 0.
     return LlamaForCausalLM(cfg).to(DEVICE).eval().requires_grad_(False)
 
 
+def smollm2_shape(seed: int = 0) -> LlamaForCausalLM:
+    """Random weights at SmolLM2-135M-Instruct's shape (the demo's target: 30 layers, 576 wide, 9 heads over 3 KV
+    heads, a 49k vocabulary), float32, no stop token."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,
+                      max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).to(DEVICE).eval().requires_grad_(False)
+
+
 def noisy_copy(model, scale: float, seed: int = 1):
     torch.manual_seed(seed)
     m = copy.deepcopy(model)

@@ -6,7 +6,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-WORKERS=${SPECBATCH_TEST_WORKERS:-$("$PY" -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}
+WORKERS=${SPECBATCH_TEST_WORKERS:-$("$PY" -c 'import os
+print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')}
 "$PY" -m pytest -q -n "$WORKERS" --dist loadfile --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

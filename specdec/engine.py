@@ -62,8 +62,8 @@ class SpecEngine:
     for later rows (specdec/exec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
-    to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less the
-    whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
+    to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
+    the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
     forwards of their own first; bench/join_speed.py compares). `step_fault`: a test's hook that fails the first fast
     step of a shape (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
@@ -306,7 +306,6 @@ class SpecEngine:
             stores.attach({name: r.cache for name, r in self._runners.items()}, {"target": proposer.prompt_top_ids})
         return batch
 
-
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
         """The longest prompt a row of `max_new` new tokens can take: every slot of the row (the draft's slack
         included) within the models' positions, and, on a GPU, the row alone within the memory plan."""
@@ -371,11 +370,12 @@ class SpecEngine:
             todo = self.admission_order(requests, todo)
             plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
             slots = [self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo]
-            want, blocks = min(self.batch_size, len(todo)), None
-            self.need = self.size_batch(plan, requests, todo, want)
+            want = min(self.batch_size, len(todo))
+            blocks = memory.pool_blocks(sorted(slots, reverse=True)[:want])  # a paged pool for the longest rows at once
+            self.need = self.size_batch(plan, requests, todo, slots, want)
             if self.need is not None:  # the plan's caches: the current ones, or fresh ones it fits
                 need = self.need
-                blocks = need.pool // BLOCK if need.pool else memory.pool_blocks(sorted(slots, reverse=True)[:want])
+                blocks = need.pool // BLOCK if need.pool else blocks
                 self.hold(memory.Caches(need.rows, need.max_len, blocks), exact=True)
                 want = need.batch
                 if self.prefix is not None and not need.pool:  # the prefixes keep what was held and what rows leave
@@ -385,15 +385,14 @@ class SpecEngine:
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 
-    def size_batch(self, plan: memory.MemoryPlan | None, requests: list[Request], todo: list[int],
+    def size_batch(self, plan: memory.MemoryPlan | None, requests: list[Request], todo: list[int], slots: list[int],
                    want: int) -> memory.Need | None:
-        """What a batch of up to `want` rows of the requests `todo` (in admission order) takes under `plan` (None
-        without one): with prefix caching over dense caches, room held back for the prefixes rows running together
+        """What a batch of up to `want` rows of the requests `todo` (in admission order; `slots`: each one's
+        `row_tokens`) takes under `plan` (None without one): with prefix caching over dense caches, room held back for the prefixes rows running together
         share (`memory.prefix_room`, unless not one row fits beside it); over a paged pool, the blocks rows share by
         reference counted once (`memory.pool_sharing`)."""
         if plan is None:
             return None
-        slots = [self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo]
         longest = max(len(requests[i].prompt) for i in todo)
         own, shared = None, 0
         if self.prefix is not None and self.kv_cache == "paged":  # the store's blocks are the pool's

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine_models import MAX_NEW, engine, flat_profile, pair, tiny_llama
+from specdec.exec import memory
 from specdec.exec.cache import BLOCK, PagedKVCache
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
@@ -88,6 +89,10 @@ def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, ref
     assert [r.token_ids for r in out] == reference
     cache = eng._runners["target"].cache
     assert isinstance(cache, PagedKVCache) and cache.free_slots() == (cache.blocks - 1) * BLOCK  # all given back
+    if eng.profile_s == 0:  # no start-up profile grew the pool first: without a memory plan it holds the longest
+        # rows at once, each by its own slots
+        longest = sorted((eng.row_tokens(len(p)) for p in prompts), reverse=True)[:bs]
+        assert cache.blocks == memory.pool_blocks(longest)
 
 
 @pytest.mark.parametrize("path", [{"fast_path": False}, {"step_graphs": True}])

@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KIT = os.path.join(ROOT, "bench", "gpu")
 VIEW = os.path.join(KIT, "view")
 MIB64 = 64 * 1024 * 1024
-# the real draft the kit packs (prepare.sh): the team's folder beside the checkout, which CI has and a user's clone lacks
+# the real draft the kit packs (prepare.sh): the team's folder beside the checkout, which CI has and a user's clone
+# lacks
 SHARED_DRAFT = os.path.join(ROOT, "..", "shared", "models", "smollm2-draft-4l")
 
 

@@ -1,4 +1,5 @@
-"""Prefix caching's store (specdec/exec/prefix.py), a prefill that goes on after reused slots, and a prefill in chunks."""
+"""Prefix caching's store (specdec/exec/prefix.py), a prefill that goes on after reused slots, and a prefill in
+chunks."""
 
 from __future__ import annotations
 
@@ -245,8 +246,8 @@ def test_a_prefill_in_chunks_keeps_transformers_tokens(target, drafts, prompts, 
 
 
 def test_top_ids_from_a_prefill_in_chunks_are_the_whole_prefills(target, prompts):
-    """Alignment sampling's top ids at every prompt position (specdec/sched/batch.py's chunk loop gathers each forward's):
-    the same ids, zero past each row's length, as one forward over the whole admission."""
+    """Alignment sampling's top ids at every prompt position (specdec/exec/prefill.py's chunk loop gathers each
+    forward's): the same ids, zero past each row's length, as one forward over the whole admission."""
     from engine_models import pair
     from specdec.config import SamplingParams, SpecConfig
     from specdec.engine import SpecEngine

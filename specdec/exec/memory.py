@@ -332,15 +332,17 @@ def dense_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, current:
     """Dense caches and the rows a batch may have (`batch`: up to `want`) for rows of up to `row_len` slots whose
     prompts have up to `prompt` tokens: the current caches, grown where too small, when the plan fits them (their
     captured steps are kept), else the largest fresh ones it fits. Raises `OutOfMemoryPlan` when not one row fits."""
+    def need(caches: Caches, rows: int) -> Need:
+        return plan.need(caches.rows, caches.max_len, rows, row_len, prompt)
+
     options = [lambda r: grown(current, Caches(r, row_len), length)]
     if current is not None:
         options.append(lambda r: Caches(r, length(row_len)))  # or replace them by smaller ones
     for size in options:
-        rows = largest(lambda r: plan.fits(plan.need(size(r).rows, size(r).max_len, r, row_len, prompt)), want)
+        rows = largest(lambda r: plan.fits(need(size(r), r)), want)
         if rows:
-            return plan.need(size(rows).rows, size(rows).max_len, rows, row_len, prompt)
-    one = options[-1](1)
-    raise plan.refuse(plan.need(one.rows, one.max_len, 1, row_len, prompt), f"one row of {row_len} slots")
+            return need(size(rows), rows)
+    raise plan.refuse(need(options[-1](1), 1), f"one row of {row_len} slots")
 
 
 def paged_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, slots: list[int], own: list[int],

@@ -89,7 +89,7 @@ class ModelRunner:
         """Cache tokens [end - start, t] at positions 0..t-1 of rows [start, end) (right-padded rows write
         junk past their length, masked until overwritten). `offsets` [end - start] (host): row i's tokens go at
         positions offsets[i].. instead, after the slots its cache row already holds (a reused prefix,
-        specdec/exec/prefix.py; a prefill in chunks, specdec/sched/batch.py). With `top_ids` > 0, returns the model's
+        specdec/exec/prefix.py; a prefill in chunks, specdec/exec/prefill.py). With `top_ids` > 0, returns the model's
         `top_ids` most likely next ids at every given token [end - start, t, top_ids], computed where the token's
         column < lengths[row] (None: every column) and 0 past it."""
         if offsets is not None:

@@ -433,7 +433,9 @@ class SyntheticRounds:
 
     def prefill(self, rows: int, draft: bool = False) -> None:
         """The target's (or the draft's) prefill of rows [0, rows)."""
-        b, s = self.batch, self.batch.slots
-        prefill = b.proposer.prefill if draft else b.prefill
-        prefill.run(prefill.plan(0, s.history[:rows], s.prompt_lens[:rows], b.lens[:rows] - 1))
+        b = self.batch
+        if draft:
+            b.proposer.fill(0, rows)
+        else:
+            b.prefill_target(0, rows)
         sync(b.device)

@@ -43,4 +43,5 @@ class Draft:
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":
-        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device), torch.zeros(n, dtype=torch.int64, device=device))
+        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device),
+                   torch.zeros(n, dtype=torch.int64, device=device))

@@ -9,13 +9,16 @@ Every row: one generate() of `batch` random prompts of `--prompt-len` tokens, `-
 (no stop tokens: every row runs to the limit), timed after an identical untimed run (compilation and
 graph capture happen there). tok/s = generated tokens / wall time, prefill included. Paths:
 - fast: the lean Llama forward, decoder layer compiled, every step a replayed CUDA graph (the engine's default on a GPU; on a CPU: the lean forward, eager);
+- fast-serial: the same with rounds that do not overlap (`overlap=False`: each round waits for the one before to
+  be read back and handled on the host);
 - fast-uncompiled: the same without compiling the layer (on a GPU: what compilation adds);
 - fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
 - generic: transformers' own modules over the same ragged cache, eager (the engine before the fast path);
 - hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
 The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
-once allows at batch 1. Prints as it goes; stops starting new rows after --deadline seconds.
+once allows at batch 1. `busy` (our paths, on a GPU): the device's time on the rounds (CUDA events from each
+round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host. Prints as it goes; stops starting new rows after --deadline seconds.
 """
 
 from __future__ import annotations
@@ -117,16 +120,20 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float, str]:
-    """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path) of
-    `method: none` on a path."""
-    ModelRunner.compile_layers = {"fast": None, "fast-uncompiled": False, "fast-compiled": True}.get(path)
+def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float, str, float | None]:
+    """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path, the device's
+    busy fraction: None off CUDA) of `method: none` on a path."""
+    ModelRunner.compile_layers = {"fast": None, "fast-serial": None, "fast-uncompiled": False,
+                                  "fast-compiled": True}.get(path)
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic")
+                     SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic",
+                     overlap=path != "fast-serial")
     first = timed(lambda: eng.generate(prompts))
+    eng.context.staging.device_s = 0.0
     wall = timed(lambda: eng.generate(prompts))
     ModelRunner.compile_layers = None
-    return batch * max_new / wall, first, eng.step_path
+    busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
+    return batch * max_new / wall, first, eng.step_path, busy
 
 
 def hf_tok_s(model, kind: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
@@ -166,7 +173,7 @@ def main():
     log(args.out, environment())
     log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
                   f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} {'first run s':>11s}  step path")
+    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} {'first run s':>11s} {'busy':>5s}  step path")
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.deadline:
             break
@@ -190,17 +197,20 @@ def main():
                 break
             try:
                 if kind == "engine":
-                    tok_s, first, step_path = engine_tok_s(model, name, batch, prompts[batch], args.max_new)
+                    tok_s, first, step_path, busy = engine_tok_s(model, name, batch, prompts[batch], args.max_new)
                 else:
-                    (tok_s, first), step_path = hf_tok_s(model, name.split()[1], batch, prompts[batch], args.max_new), ""
+                    (tok_s, first), step_path, busy = hf_tok_s(model, name.split()[1], batch, prompts[batch],
+                                                               args.max_new), "", None
             except Exception as exc:  # a reference that fails here is reported, not fatal
                 log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
                 continue
             got[name, batch] = tok_s
             rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
-            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f}  {step_path}")
+            bz = "-" if busy is None else f"{busy:.2f}"
+            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  {step_path}")
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
-            refs = [(r, got[r, batch]) for r in ("generic", "hf eager", "hf compiled") if (r, batch) in got and r != name]
+            refs = [(r, got[r, batch]) for r in ("fast-serial", "generic", "hf eager", "hf compiled")
+                    if (r, batch) in got and r != name]
             if refs and not name.startswith("hf"):
                 log(args.out, f"# {shape} {name} batch {batch}: " +
                     ", ".join(f"{tok_s / v:.2f}x {r}" for r, v in refs))

@@ -32,6 +32,7 @@ from .choices import METHODS, POLICIES
 from .config import SampleResult, SamplingParams, SpecConfig
 from .exec import llama, memory
 from .exec.cache import BLOCK, PagedKVCache, RaggedKVCache, model_kv_bytes
+from .exec.inputs import Staging
 from .exec.models import ModelPair
 from .exec.prefill import Prefiller
 from .exec.prefix import Prefixes, admission_order
@@ -65,14 +66,16 @@ class SpecEngine:
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
     the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
-    forwards of their own first; bench/join_speed.py compares). `step_fault`: a test's hook that fails the first fast
+    forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
+    before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
+    before; bench/host_work.py compares). `step_fault`: a test's hook that fails the first fast
     step of a shape (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
-                 kv_cache: str = "dense", join_prefills: bool = True,
+                 kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -119,7 +122,7 @@ class SpecEngine:
             widths=VerifyWidths(max_draft + 1) if spec.verify_padding and max_draft else None,
             clock=clock, stop_ids=stop_ids, stop_strings=StopStrings(pair.tokenizer),
             grammars=Grammars(pair.tokenizer, pair.vocab_size, tuple(sorted(stop_ids))), max_draft=max_draft,
-            join_prefills=join_prefills)
+            join_prefills=join_prefills, overlap=overlap, staging=Staging(self.device))
         self.needs_costs = POLICIES[spec.draft_length].needs_costs and max_draft > 0
         self.profile = profile  # measured costs (specdec/plan/costmodel.py); measured on first need if None
         self.profile_s = 0.0  # seconds spent measuring it

@@ -265,8 +265,8 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
     eng = make_engine(models, "none", bs=8, figures=figures, prefill_chunk=64, kv_cache="paged")
     plan = eng.memory_plan()
     held = []
-    real_round = Rounds.round
-    monkeypatch.setattr(Rounds, "round", lambda self, *a: (held.append(self.batch.n), real_round(self, *a))[1])
+    real_launch = Rounds.launch
+    monkeypatch.setattr(Rounds, "launch", lambda self, *a: (held.append(self.batch.n), real_launch(self, *a))[1])
     with Peak() as peak:
         out = eng.generate(prompts_of(lengths))
     assert [r.token_ids for r in out] == ref
@@ -290,8 +290,8 @@ def test_paged_rows_of_one_instruction_share_its_blocks_and_more_of_them_run_at_
     shared = prompts_of([400])[0]
     prompts = [shared + [250 + i, 7, 9 + i] for i in range(12)]
     runs, held = {}, []
-    real_round = Rounds.round
-    monkeypatch.setattr(Rounds, "round", lambda self, *a: (held.append(self.batch.n), real_round(self, *a))[1])
+    real_launch = Rounds.launch
+    monkeypatch.setattr(Rounds, "launch", lambda self, *a: (held.append(self.batch.n), real_launch(self, *a))[1])
     for caching in (False, True):
         eng = make_engine(models, method, bs=12, prefill_chunk=256, kv_cache="paged", **spec)
         eng.prefix = eng.prefix if caching else None

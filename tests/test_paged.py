@@ -194,8 +194,8 @@ def test_rows_wait_for_blocks_and_none_is_lost(target, prompts, reference, monke
     real = eng.new_batch
     monkeypatch.setattr(eng, "new_batch", lambda rows, max_len, policy, _, **kw: real(rows, max_len, policy, blocks,
                                                                                        **kw))
-    real_round = Rounds.round
-    monkeypatch.setattr(Rounds, "round", lambda self, *a: (held.append(self.batch.n), real_round(self, *a))[1])
+    real_launch = Rounds.launch
+    monkeypatch.setattr(Rounds, "launch", lambda self, *a: (held.append(self.batch.n), real_launch(self, *a))[1])
     out = eng.generate(prompts)
     assert [r.token_ids for r in out] == reference
     assert eng._runners["target"].cache.blocks == blocks

@@ -170,13 +170,15 @@ def test_row_processing_equals_the_plain_one_setting_processing():
         assert torch.allclose(sampling.probs(logits[i, 0], sampling.Rows.of(sp)), want[0], atol=1e-6)
 
 
-def test_one_scan_gives_the_argmax_and_the_non_finite_check():
-    """`scan` replaces argmax + isfinite(all logits): the same argmax (first of ties), and a position is
-    flagged where a NaN or +inf sits anywhere or every logit is -inf; a -inf among finite ones (a masked
-    token) is not."""
+@pytest.mark.parametrize("vocab", [1000, 2048])
+def test_one_scan_gives_the_argmax_and_the_non_finite_check(vocab):
+    """`scan` replaces argmax + isfinite(all logits): the same argmax (first of ties, within a block of 128 logits
+    and across blocks: a vocabulary of 2048 takes the blocked scan on a CPU), and a position is flagged where a NaN
+    or +inf sits anywhere or every logit is -inf; a -inf among finite ones (a masked token) is not."""
     from specdec.spec.verify import scan
-    logits = torch.randn(3, 4, 1000, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, 5, vocab, generator=torch.Generator().manual_seed(0))[:, 1:]  # a view, as a round's
     logits[0, 0, 10] = logits[0, 0, 20] = logits[0, 0].max() + 1  # a tie: the first wins, as argmax's
+    logits[1, 0, 300] = logits[1, 0, 900] = logits[1, 0].max() + 1  # a tie across blocks
     logits[0, 1, 5] = float("nan")
     logits[1, 2, 999] = float("inf")
     logits[2, 3] = float("-inf")
@@ -185,7 +187,7 @@ def test_one_scan_gives_the_argmax_and_the_non_finite_check():
     expect = torch.ones(3, 4, dtype=torch.bool)
     expect[0, 1] = expect[1, 2] = expect[2, 3] = False
     assert torch.equal(finite, expect)
-    assert torch.equal(best[expect], logits.argmax(-1)[expect]) and best[0, 0] == 10
+    assert torch.equal(best[expect], logits.argmax(-1)[expect]) and best[0, 0] == 10 and best[1, 0] == 300
     old = torch.isfinite(logits).all(-1)  # the check it replaces differs only at the partly masked position
     assert torch.equal(old ^ finite, torch.zeros_like(old).index_put_((torch.tensor(2), torch.tensor(0)),
                                                                       torch.tensor(True)))

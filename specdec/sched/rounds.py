@@ -7,8 +7,11 @@ target's cache):
   logits  = target([pending, x_1..x_k])       one forward scores every drafted position
   verdict = rule(logits, draft)               accepted a, and the recovered / bonus token y
   emit x_1..x_a, y; cut at a stop token, a stop string or max_new_tokens; finished rows leave
-A round reads the device back once, at the end of `verify` (`Readback`); everything the host needs before that
-(lengths, K) it already knows. What every round reads (the rule, verify widths, the clock, stop sets, output
+A round is queued on the device whole (`launch`), its results copied back behind it without the host waiting
+(`Readback`, `Staging`), and handled on the host when they land (`land`): one read-back per round. Everything the
+host needs to queue a round (lengths, K) it already knows; after a round in which no row drafted it knows every
+row's length too (one more), so the next plain round is queued before the host reads that one back: the host's
+work overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads (the rule, verify widths, the clock, stop sets, output
 formats, the draft limit) is a `RoundContext` the engine builds once. Rows with an output format
 (specdec/spec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
 target reads those in the next round's forward, which then starts up to `lag` tokens before each row's pending
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from ..config import SampleResult, SamplingParams, row_seed
-from ..exec.inputs import sync
+from ..exec.inputs import Flight, Staging, sync
 from ..exec.prefill import PrefillPlan
 from ..plan.costmodel import VerifyWidths
 from ..plan.policies import BatchView, LengthPolicy, RoundResult
@@ -55,6 +58,9 @@ class RoundContext:
     # rows that join end their prefills in the next round's forward, beside the others' verification (False: in
     # forwards of their own first; bench/join_speed.py compares)
     join_prefills: bool = True
+    # a plain round is queued before the host reads the plain round before it back (False: never; bench/host_work.py)
+    overlap: bool = True
+    staging: Staging | None = None  # the host buffers rounds' results land in (None: each `Rounds` its own)
 
 
 @dataclass
@@ -70,7 +76,8 @@ class Request:
 
 @dataclass
 class Readback:
-    """A round's results on the host, per row of [0, n), read from the device in one copy (`read`)."""
+    """A round's results on the host, per row of [0, n), read from the device in one copy (`pack`, then
+    `unpack` what came back)."""
 
     accepted: np.ndarray  # [n] drafted tokens accepted
     drafted: np.ndarray  # [n] tokens (tree nodes) proposed
@@ -81,21 +88,51 @@ class Readback:
     top_ids: np.ndarray | None = None  # [n, w, K] the most likely tokens there
     top_logprobs: np.ndarray | None = None  # [n, w, K] their logprobs
 
-    @classmethod
-    def read(cls, **values: torch.Tensor | None) -> Readback:
-        """The fields given as device tensors ([n, ...] of integers, bools or floats; None: absent), packed side by
-        side into one int64 tensor (floats as float64 bits), copied to the host at once and unpacked by name."""
+    @staticmethod
+    def pack(**values: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[str, int, tuple, str]]]:
+        """The fields given as device tensors ([n, ...] of integers, bools or floats; None: absent), side by side
+        in one int64 tensor [n, c] (floats as float64 bits), and where each lies in it (for `unpack`)."""
         given = {name: t for name, t in values.items() if t is not None}
         flat = [t.reshape(t.shape[0], -1) for t in given.values()]
         packed = torch.cat([t.double().view(torch.int64) if t.is_floating_point() else t.to(torch.int64)
                             for t in flat], dim=1)
-        host, at, out = packed.cpu().numpy(), 0, {}
-        for (name, t), f in zip(given.items(), flat):
-            x = host[:, at : at + f.shape[1]]
-            at += f.shape[1]
-            x = x.view(np.float64) if t.is_floating_point() else x.astype(bool) if t.dtype == torch.bool else x
-            out[name] = x.reshape(t.shape)
+        layout = [(name, f.shape[1], tuple(t.shape), "f" if t.is_floating_point() else
+                   "b" if t.dtype == torch.bool else "i") for (name, t), f in zip(given.items(), flat)]
+        return packed, layout
+
+    @classmethod
+    def unpack(cls, host: np.ndarray, layout: list[tuple[str, int, tuple, str]]) -> Readback:
+        at, out = 0, {}
+        for name, width, shape, kind in layout:
+            x = host[:, at : at + width]
+            at += width
+            out[name] = (x.view(np.float64) if kind == "f" else x.astype(bool) if kind == "b" else x).reshape(shape)
         return cls(**out)
+
+
+@dataclass
+class Verifying:
+    """A verification queued on the device whose results the host has not read yet (`Rounds.landed`)."""
+
+    n: int
+    lens: np.ndarray  # [n] host: the rows' lengths before it
+    width: int
+    flight: Flight  # where its results land
+    layout: list  # the read-back's (`Readback.unpack`)
+    grown: bool  # no row drafted: each grew by one token, which the host counted at once (else: when read back)
+    host_s: float  # host seconds it took to queue
+    timed: bool  # its time is a sample of its width's cost (no rows joined in its forward)
+
+
+@dataclass
+class Launched:
+    """A round queued on the device whose results the host has not read yet (`Rounds.land`)."""
+
+    verifying: Verifying
+    forwards: int  # the draft's forwards
+    host_depth: np.ndarray | None  # a token tree's depth per row (the draft's)
+    timed: bool  # its time is a sample of its draft length's cost
+    host_s: float  # host seconds it took to queue
 
 
 class Rounds:
@@ -110,21 +147,77 @@ class Rounds:
         self.top_logprobs = max(logprobs) if logprobs else None  # most tokens per position (None: no logprobs)
         self.waiting = 0  # requests queued for a free row
         self.admitted = 0  # rows admitted since the last round's plan
+        self.leaving: list[int] = []  # rows that finished, which leave once no round is in flight
+        self.stop_ids = np.array(sorted(context.stop_ids), dtype=np.int64)  # what ends every row (`finish_plain`)
+        self.staging = context.staging or Staging(batch.device)
 
     def run(self, queue: deque) -> None:
-        b, join = self.batch, self.context.join_prefills
+        """Rounds until the queue is empty and every row has finished. A round of plain decoding (no row drafts)
+        is queued on the device before the host reads back the plain round before it (`ahead`): the host's work
+        on round r overlaps the device's on round r + 1. Rows leave and join only while no round is in flight:
+        a row that finished in a round another already follows rides that one (its tokens dropped) and leaves
+        after it."""
+        b, flight = self.batch, None
         while queue or b.n:
-            joining = None  # rows whose prefill ends in this round's forward
-            if queue and b.n < b.capacity:
-                heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
-                fits = b.room([(r.prompt, r.sp.max_new_tokens) for r in heads])
-                if fits == 0 and b.n == 0:
-                    raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
-                if fits and b.n and join:  # rows decoding wait for no prefill: one chunk joins their round
-                    fits = self.within_chunk(heads[:fits])
-                if fits:
-                    joining = self.admit([queue.popleft() for _ in range(fits)], len(queue), join)
-            self.round(joining)
+            joining = None  # rows whose prefill ends in the next round's forward
+            if flight is None:
+                self.retire_finished()
+                joining = self.join(queue)
+                if not b.n:
+                    continue
+            elif not self.may_go_ahead(flight, queue):
+                self.land(flight)
+                flight = None
+                continue
+            limits = self.limits(b.n)
+            if flight is not None and limits.any():  # the policy drafts after all (its plan knew round r - 1)
+                self.land(flight)
+                flight = None
+                if self.changes(queue):
+                    continue
+                limits = np.minimum(limits, self.room(b.n))
+            launched = self.launch(limits, joining)
+            if flight is not None:
+                self.land(flight)
+            flight = launched
+
+    def may_go_ahead(self, flight: Launched, queue: deque) -> bool:
+        """Whether the next round may be queued before `flight` is read back: `flight` grew every row by one
+        token (so the host knows every length), no row reaches max_new_tokens in it (it leaves after it: no round
+        is queued for it to ride), the next round draws no output format's mask and, by the policy's leaning,
+        drafts nothing, and no row is to leave or join first."""
+        b, n = self.batch, self.batch.n
+        if not (self.context.overlap and flight.verifying.grown and b.constraints is None):
+            return False
+        if (b.lens[:n] - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any():
+            return False
+        return not (self.max_draft and self.policy.drafts_soon(self.view(n))) and not self.changes(queue)
+
+    def changes(self, queue: deque) -> bool:
+        """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""
+        b = self.batch
+        if self.leaving:
+            return True
+        if not queue or b.n >= b.capacity:
+            return False
+        head = self.requests[queue[0]]
+        return b.room([(head.prompt, head.sp.max_new_tokens)]) > 0
+
+    def join(self, queue: deque) -> PrefillPlan | None:
+        """Queued requests join the free rows, as many as the caches have room for (and, while rows decode,
+        within one prefill chunk); returns the plan of those whose prefill ends in the next round's forward."""
+        b, join = self.batch, self.context.join_prefills
+        if not queue or b.n >= b.capacity:
+            return None
+        heads = [self.requests[queue[j]] for j in range(min(b.capacity - b.n, len(queue)))]
+        fits = b.room([(r.prompt, r.sp.max_new_tokens) for r in heads])
+        if fits == 0 and b.n == 0:
+            raise RuntimeError("the KV cache has no room for one row: its memory plan is wrong")
+        if fits and b.n and join:  # rows decoding wait for no prefill: one chunk joins their round
+            fits = self.within_chunk(heads[:fits])
+        if not fits:
+            return None
+        return self.admit([queue.popleft() for _ in range(fits)], len(queue), join)
 
     def within_chunk(self, heads: list[Request]) -> int:
         """How many of these rows (in order, at least one) join together within one `prefill_chunk`: their prompts'
@@ -200,23 +293,26 @@ class Rounds:
         """What the policy sees of rows [0, n); `reach`: with how deep each row can draft now (before a round)."""
         return BatchView(n, self.waiting, self.admitted, self.batch.proposer.reach(n) if reach else None)
 
+    def room(self, n: int) -> np.ndarray:
+        """[n] host: the most tokens each row may draft before max_new_tokens (0 for a finished row)."""
+        return np.array([0 if r.done else r.sp.max_new_tokens - r.result.generated_tokens - 1
+                         for r in self.batch.rows[:n]], dtype=np.int64)
+
     def limits(self, n: int) -> np.ndarray:
-        """[n] host: the tokens each row may draft this round (the policy's plan, within the row's room before
-        max_new_tokens)."""
+        """[n] host: the tokens each row may draft this round (the policy's plan, within the row's `room`)."""
         if not self.max_draft:
             return np.zeros(n, dtype=np.int64)
-        room = np.array([r.sp.max_new_tokens - r.result.generated_tokens - 1 for r in self.batch.rows[:n]])
         plan = self.policy.plan(self.view(n, reach=True))
         self.admitted = 0
-        return np.minimum(plan, room)
+        return np.minimum(plan, self.room(n))
 
-    def round(self, joining: PrefillPlan | None = None) -> None:
-        """One round of the active rows: plan, propose, verify (one read-back), finish rows. `joining`: the rows
-        whose prefill ends in this round's forward."""
+    def launch(self, limits: np.ndarray, joining: PrefillPlan | None = None) -> Launched:
+        """Queue one round of the active rows on the device: propose within `limits`, verify, and the read-back
+        of its results (`land` takes them). `joining`: the rows whose prefill ends in this round's forward."""
         b, n, clock = self.batch, self.batch.n, self.context.clock
-        limits = self.limits(n)
-        timed = joining is None  # a round that ends rows' prefills costs more than its drafts and width
         t0 = clock()
+        flight = self.staging.next()
+        flight.mark("start")
         rows = b.sp.view(n)
         draws = self.draws(n, int(limits.max(initial=0)) + 1)
         draft = b.proposer.propose(n, limits, rows, draws, self.policy.siblings)
@@ -224,16 +320,43 @@ class Rounds:
         k = draft.tokens.shape[1]
         trial = widths is not None and widths.untimed(n, k + 1) is not None  # a width timed, not a K's cost
         width = widths.choose(n, k + 1) if widths else k + 1
-        out = self.verify(n, draft, width, rows, draws, joining)
-        emitted = sum(self.finish(i, out, draft.forwards) for i in range(n))
-        emitted += self.jump_forward(range(n))
-        finished = np.array([b.rows[i].done for i in range(n)], dtype=bool)
-        seconds = clock() - t0 if timed and not trial else None
-        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, draft.host_depth, width))
-        for i in reversed(np.flatnonzero(finished)):  # descending: the last active row is never a finished one
-            self.retire(int(i))
+        verifying = self.queue_verify(n, draft, width, rows, draws, joining, flight)
+        # a round that ends rows' prefills costs more than its drafts and width
+        return Launched(verifying, draft.forwards, draft.host_depth, joining is None and not trial, clock() - t0)
+
+    def land(self, launched: Launched) -> None:
+        """Read a launched round's results back and hand each row its tokens; rows that finish leave before the
+        next round that is not yet launched (`retire_finished`). A row that had finished already (a rider)
+        takes nothing."""
+        b, v, clock = self.batch, launched.verifying, self.context.clock
+        t0 = clock()
+        out = self.landed(v)
+        fresh = [i for i in range(v.n) if not b.rows[i].done]  # riders take nothing
+        plain, own = self.plain_rows(fresh, out)
+        emitted = self.finish_plain(plain, out, launched.forwards)
+        emitted += sum(self.finish(i, out, launched.forwards) for i in own)
+        emitted += self.jump_forward(fresh)
+        self.leaving += [i for i in fresh if b.rows[i].done]
+        finished = np.zeros(v.n, dtype=bool)
+        finished[self.leaving] = True
+        seconds = self.seconds(launched.host_s + clock() - t0, v.flight) if launched.timed else None
+        self.policy.observe(RoundResult(v.n, out.drafted, out.accepted, finished, seconds, launched.host_depth,
+                                        v.width))
         if self.on_round is not None:
             self.on_round(emitted)
+
+    @staticmethod
+    def seconds(host: float, flight: Flight, since: str = "start") -> float:
+        """What a round (or its verification) cost: the host's time on it or the device's, whichever was longer
+        (rounds in flight overlap one's host work with the other's device work)."""
+        device = flight.seconds(since)
+        return host if device is None else max(host, device)
+
+    def retire_finished(self) -> None:
+        """Rows that finished leave the batch (descending: the last active row is never a finished one)."""
+        for i in sorted(self.leaving, reverse=True):
+            self.retire(i)
+        self.leaving = []
 
     def draws(self, n: int, width: int) -> Draws:
         """This round's randomness for rows [0, n): none when every row is greedy; the Gumbel noise of each row's
@@ -249,11 +372,19 @@ class Rounds:
 
     def verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws,
                joining: PrefillPlan | None = None) -> Readback:
-        """One target forward over [pending, draft] at `width` tokens per row (chains padded with junk past k + 1),
-        the rule's verdict, and acceptance: rows [0, n) grow by accepted + 1 tokens; `joining`'s rows end their
-        prefill in the same forward. Ends with the round's read-back."""
-        b, k, t0 = self.batch, draft.tokens.shape[1], self.context.clock()
-        timed = joining is None
+        """`queue_verify`, then its results (`landed`): a verification the host waits for (the start-up profile)."""
+        return self.landed(self.queue_verify(n, draft, width, rows, draws, joining))
+
+    def queue_verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws,
+                     joining: PrefillPlan | None = None, flight: Flight | None = None) -> Verifying:
+        """Queue one target forward over [pending, draft] at `width` tokens per row (chains padded with junk past
+        k + 1), the rule's verdict, acceptance (rows [0, n) grow by accepted + 1 tokens) and the read-back of the
+        results into `flight`; `joining`'s rows end their prefill in the same forward. Nothing waits for the
+        device: where no row drafted, the host counts each row's one new token now."""
+        b, k, clock = self.batch, draft.tokens.shape[1], self.context.clock
+        t0 = clock()
+        flight = flight or self.staging.next()
+        flight.mark("verify")
         inputs = b.target_inputs(n, draft, width, joining)
         if inputs.join is None:
             logits, _ = b.target.step(inputs.tokens, inputs.positions, inputs.kv_len, slots=inputs.slots,
@@ -273,12 +404,26 @@ class Rounds:
         verdict = self.context.rule(logits, draft, rows, draws, best)
         tokens = b.accept(n, inputs, verdict, draft)
         logprobs = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
-        out = Readback.read(accepted=verdict.accepted, drafted=draft.lengths, target_non_finite=~finite.all(1),
-                            draft_non_finite=draft.non_finite, tokens=tokens, **logprobs)
-        b.grow(n, inputs.lens, out.accepted)
-        b.proposer.commit(n, inputs.lens, out.accepted)
-        if self.context.widths and timed:
-            self.context.widths.observe(n, width, self.context.clock() - t0)
+        packed, layout = Readback.pack(accepted=verdict.accepted, drafted=draft.lengths,
+                                       target_non_finite=~finite.all(1), draft_non_finite=draft.non_finite,
+                                       tokens=tokens, **logprobs)
+        flight.send(packed)
+        grown = k == 0
+        if grown:  # plain decoding: every row accepted nothing and took one token
+            none = np.zeros(n, dtype=np.int64)
+            b.grow(n, inputs.lens, none)
+            b.proposer.commit(n, inputs.lens, none)
+        return Verifying(n, inputs.lens, width, flight, layout, grown, clock() - t0, joining is None)
+
+    def landed(self, v: Verifying) -> Readback:
+        """A queued verification's results, once the device has sent them: rows grow by what they accepted."""
+        clock, t0 = self.context.clock, self.context.clock()
+        out = Readback.unpack(v.flight.wait(), v.layout)
+        if not v.grown:
+            self.batch.grow(v.n, v.lens, out.accepted)
+            self.batch.proposer.commit(v.n, v.lens, out.accepted)
+        if self.context.widths and v.timed:
+            self.context.widths.observe(v.n, v.width, self.seconds(v.host_s + clock() - t0, v.flight, "verify"))
         return out
 
     def constrain(self, n: int, draft: Draft) -> Draft:
@@ -307,6 +452,46 @@ class Rounds:
         if self.top_logprobs:
             out["top_logprobs"], out["top_ids"] = lp.topk(self.top_logprobs, dim=-1)
         return out
+
+    def plain_rows(self, slots: list[int], out: Readback) -> tuple[list[int], list[int]]:
+        """These rows split into those a round finishes by array operations (`finish_plain`: no stop strings, own
+        stop tokens, logprobs or output format, finite logits) and the others (`finish`, row by row)."""
+        b = self.batch
+        if b.constraints is not None:
+            return [], slots
+        failed = out.target_non_finite if out.draft_non_finite is None else out.target_non_finite | out.draft_non_finite
+        plain, own = [], []
+        for i in slots:
+            sp = b.rows[i].sp
+            (own if sp.stop or sp.stop_token_ids or sp.logprobs or failed[i] else plain).append(i)
+        return plain, own
+
+    def finish_plain(self, slots: list[int], out: Readback, forwards: int) -> int:
+        """`finish` for rows of `plain_rows`: each row's cut (after the first stop token among x_1..x_a, y, or at
+        max_new_tokens) found over the read-back at once, then its lists extended once. Returns the tokens kept."""
+        if not slots:
+            return 0
+        rows, idx = self.batch.rows, np.asarray(slots)
+        a, tokens, drafted = out.accepted[idx], out.tokens[idx], out.drafted[idx]
+        stops = np.isin(tokens, self.stop_ids) & (np.arange(tokens.shape[1])[None, :] <= a[:, None])
+        stopped = stops.any(1)
+        upto = np.where(stopped, stops.argmax(1), a) + 1  # x_1..x_a, y, or up to the first stop token
+        room = np.array([rows[i].sp.max_new_tokens - len(rows[i].result.token_ids) for i in slots])
+        cut = np.minimum(upto, room)
+        reasons = np.where(stopped & (upto <= room), "stop", np.where(upto >= room, "length", ""))
+        for i, c, got, d, acc, why in zip(slots, cut.tolist(), tokens.tolist(), drafted.tolist(), a.tolist(),
+                                          reasons.tolist()):
+            row = rows[i]
+            res, kept = row.result, got[:c]
+            res.token_ids.extend(kept)
+            row.tokens.extend(kept)
+            res.rounds += 1
+            res.draft_forwards += forwards
+            res.draft_lengths.append(d)
+            res.accept_lengths.append(min(acc, c))
+            if why:
+                res.finish_reason = why
+        return int(cut.sum())
 
     def finish(self, i: int, out: Readback, forwards: int) -> int:
         """Row i's share of the round: its tokens and statistics. Returns how many tokens it emitted."""

@@ -126,7 +126,8 @@ class RowSettings:
         self.top_p = slots.add("sp_top_p", torch.float32, 1.0)
         self.greedy_rows = slots.add("sp_greedy", torch.bool, True)
         self.host = {name: slots.add_host(f"sp_{name}_host", dtype, fill) for name, dtype, fill in
-                     (("greedy", bool, True), ("top_k", np.int64, 0), ("top_p", np.float64, 1.0))}
+                     (("greedy", bool, True), ("top_k", np.int64, 0), ("top_p", np.float64, 1.0),
+                      ("max_new", np.int64, 0))}
 
     def set(self, slot: int, sp: SamplingParams) -> None:
         self.temperature[slot] = 1.0 if sp.greedy else sp.temperature
@@ -136,6 +137,7 @@ class RowSettings:
         self.host["greedy"][slot] = sp.greedy
         self.host["top_k"][slot] = 0 if sp.greedy else sp.top_k
         self.host["top_p"][slot] = 1.0 if sp.greedy else sp.top_p
+        self.host["max_new"][slot] = sp.max_new_tokens
 
     def view(self, n: int) -> Rows:
         g = self.host["greedy"][:n]

@@ -1,0 +1,75 @@
+"""Rounds that overlap (specdec/sched/rounds.py): a plain round is queued on the device before the host reads the
+one before it back, counted with the read-back's own hook (`Staging.trace`: when a round's device work is queued,
+and when the host blocks on its results), not with a timer; and every token, statistic and finish reason is what
+rounds that wait for each other give."""
+
+from __future__ import annotations
+
+import pytest
+from engine_models import MAX_NEW, pair
+
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+
+
+def traced(target, draft=None, overlap=True, bs=4, stop=(), max_new=MAX_NEW, **spec):
+    """An engine whose read-backs report to a list of (event, round)."""
+    events = []
+    eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new), SpecConfig(**spec),
+                     batch_size=bs, overlap=overlap)
+    eng.context.staging.trace = lambda event, r: events.append((event, r))
+    return eng, events
+
+
+def ahead(events) -> tuple[int, int]:
+    """(rounds whose successor was queued before the host waited for them, rounds)."""
+    at = {e: i for i, e in enumerate(events)}
+    rounds = sorted(r for e, r in events if e == "wait")
+    return sum(at.get(("launch", r + 1), len(events)) < at[("wait", r)] for r in rounds), len(rounds)
+
+
+def results(rs):
+    return [(r.token_ids, r.finish_reason, r.rounds, r.draft_lengths, r.accept_lengths) for r in rs]
+
+
+def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, reference):
+    """Four rows of plain decoding that all run to max_new_tokens: every round but the last is followed on the
+    device before the host reads it back (in the last the host knows the rows reach max_new_tokens: no round
+    follows it for them to ride); the tokens are transformers' greedy ones. Without overlap, no round is."""
+    eng, events = traced(target, method="none")
+    out = eng.generate(prompts[:4])
+    assert [r.token_ids for r in out] == reference[:4]
+    assert all(r.rounds == MAX_NEW and r.finish_reason == "length" for r in out)
+    followed, rounds = ahead(events)
+    assert rounds == MAX_NEW and followed == MAX_NEW - 1
+    assert all(e == "launch" for e, _ in events[:2])  # round 1's read-back waited for round 2 to be queued
+
+    eng, events = traced(target, method="none", overlap=False)
+    assert results(eng.generate(prompts[:4])) == results(out)
+    assert ahead(events) == (0, MAX_NEW)
+
+
+@pytest.mark.parametrize("method, spec", [
+    ("none", {}),
+    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 3}),
+    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 0}),
+    ("prompt_lookup", {"draft_length": "fixed", "num_draft_tokens": 2}),
+])
+def test_overlap_changes_no_token(target, drafts, prompts, method, spec):
+    """Eight prompts through a batch of 3 with stop tokens that end rows at rounds the host cannot foresee (they
+    ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason, rounds and
+    acceptance are those of rounds that wait for each other. Rounds that draft are never queued ahead."""
+    stop = (23, 58)
+    for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
+                                                                      seed=5)):
+        runs = {}
+        for overlap in (True, False):
+            eng, events = traced(target, drafts["noisy"], overlap, bs=3, stop=stop, method=method, **spec)
+            eng.sampling = sp
+            runs[overlap] = (results(eng.generate(prompts)), *ahead(events))
+        assert runs[True][0] == runs[False][0]
+        assert any(r[1] == "stop" for r in runs[True][0]) and any(r[1] == "length" for r in runs[True][0])
+        assert runs[False][1] == 0
+        drafting = method != "none" and spec.get("num_draft_tokens") != 0
+        assert (runs[True][1] == 0) == drafting
+        assert (runs[True][2] > runs[False][2]) == (not drafting)  # rounds that stopped rows rode

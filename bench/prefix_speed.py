@@ -118,8 +118,8 @@ def timed(eng: SpecEngine, ids: list[list[int]], params: list[SamplingParams] | 
     if eng.prefix is not None:
         eng.prefix.clear()
     most = []
-    real = Rounds.round
-    Rounds.round = lambda self, *a: (most.append(self.batch.n), real(self, *a))[1]  # the rows each round runs
+    real = Rounds.launch
+    Rounds.launch = lambda self, *a: (most.append(self.batch.n), real(self, *a))[1]  # the rows each round runs
     try:
         sync(eng.device)
         t = time.perf_counter()
@@ -127,7 +127,7 @@ def timed(eng: SpecEngine, ids: list[list[int]], params: list[SamplingParams] | 
         sync(eng.device)
         wall = time.perf_counter() - t
     finally:
-        Rounds.round = real
+        Rounds.launch = real
     return {"tok_s": sum(r.generated_tokens for r in res) / wall, "prompt": sum(r.prompt_tokens for r in res),
             "rows": max(most), "reused": sum(r.cached_prompt_tokens for r in res),
             "tokens": [r.token_ids for r in res]}

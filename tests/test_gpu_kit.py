@@ -122,13 +122,15 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
         assert "/machine/site/pydantic" in (folder / "env.txt").read_text()  # the carried wheels, not site-packages
         assert len(os.listdir(folder)) <= 8  # the device brings back 8 files a call
-    for stage, paths in (("first", ("fast", "hf eager", "hf compiled")), ("second", ("fast", "generic", "hf eager"))):
+    for stage, paths in (("first", ("fast", "fast-serial", "hf eager", "hf compiled")),
+                         ("second", ("fast", "fast-serial", "generic", "hf eager"))):
         speed = (out[stage] / "step_speed.txt").read_text()
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
     for name in ("test_fastpath", "test_engine", "test_sampling", "test_noise", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
+    assert "files: tests/test_noise.py tests/test_overlap.py" in (out["first"] / "test_noise.txt").read_text()
     paged = (out["second"] / "paged_attention.txt").read_text()  # dense, gather and flex each ran and agreed
     assert re.search(r"^tiny\s+2\s+200\s+1\s+\d+\s+\d+\.\d+(\s+\d+\.\d+\s+\d+\.\d+x){2}$", paged, re.M), paged
     table = (out["third"] / "policies.txt").read_text()

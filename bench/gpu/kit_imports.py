@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def gpu_test_files() -> list[str]:
     """The test files run.sh runs on the GPU (its TESTS line)."""
     with open(os.path.join(ROOT, "bench", "gpu", "run.sh")) as f:
-        return re.search(r'^TESTS="([^"]+)"', f.read(), re.M).group(1).split()
+        return re.search(r'^TESTS="([^"]+)"', f.read(), re.M).group(1).replace("+", " ").split()
 
 
 def main() -> None:

@@ -18,7 +18,8 @@
 # KIT_PAGED_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py tests/test_memory.py"
+# an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
+TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py+tests/test_overlap.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}
@@ -75,15 +76,15 @@ step_speed() {  # step_speed SHAPE PATHS SECONDS: rows stop starting at 4/7 of t
 gpu_tests() {  # each file in its own process, side by side, each under its own budget; full logs in $OUT
   local f n rc secs=${KIT_TEST_S:-140}
   for f in $TESTS; do
-    n=$(basename "$f" .py)
+    n=$(basename "${f%%+*}" .py)
     ( t0=$SECONDS
       SPECBATCH_TEST_DEVICE=$DEVICE timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rfE --durations=5 \
-        ${KIT_TEST_K:+-k "$KIT_TEST_K"} "$f" >"$OUT/$n.txt" 2>&1
-      echo "# $f: exit $? after $((SECONDS - t0)) s (budget $secs s)" >>"$OUT/$n.txt" ) &
+        ${KIT_TEST_K:+-k "$KIT_TEST_K"} ${f//+/ } >"$OUT/$n.txt" 2>&1
+      echo "# ${f%%+*}: exit $? after $((SECONDS - t0)) s (budget $secs s; files: ${f//+/ })" >>"$OUT/$n.txt" ) &
   done
   wait
   for f in $TESTS; do
-    n=$(basename "$f" .py)
+    n=$(basename "${f%%+*}" .py)
     grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed|error).* =+$|^# tests/" "$OUT/$n.txt"
     rc=$(sed -n 's/^# .*: exit \([0-9]*\) after.*/\1/p' "$OUT/$n.txt")
     [ "$rc" = 0 ] || [ "$rc" = 1 ] || FAILED="$FAILED $n:$rc"  # 1: tests failed (results); else no results
@@ -94,11 +95,11 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" fast "${KIT_STEP_S:-125}"
+      step_speed "${KIT_BIG:-llama8b}" fast,fast-serial "${KIT_STEP_S:-125}"
       gpu_tests ;;
     second)
       wheels; keep
-      step_speed "${KIT_SMALL:-smollm2}" fast,generic "${KIT_STEP_S:-45}"
+      step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-45}"
       step paged_attention "${KIT_PAGED_S:-30}" python3 bench/paged_attention.py --device "$DEVICE" \
         ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --deadline 15} \
         --out "$OUT/paged_attention.txt" ;;

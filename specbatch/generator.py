@@ -107,7 +107,7 @@ class Generator:
 
         from specdec.engine import SpecEngine
         from specdec.exec.models import load_pair
-        from workers.fetch import ModelPathError, localize
+        from workers.fetch import ModelPathError, cache_dir, localize
 
         self.spec = spec = generator_spec(config, **sections)
         gpus = spec.resources.gpus_per_worker
@@ -118,12 +118,13 @@ class Generator:
             used = {key: localize(src, key) for key, src in models_used(spec.models, spec.speculation).items()}
         except ModelPathError as exc:
             raise ConfigError(str(exc)) from None
-        self.pair = load_pair(used["models.target.path"], used.get("models.draft.path"), device)
+        self.pair = load_pair(used["models.target.path"], used.get("models.draft.path"), device,
+                              cache=str(cache_dir()))  # a GGUF model dequantized once, kept in the cache folder
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=spec.resources.batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction,
-                                 **spec.resources.engine_settings())
-        self.engine.measure_costs()  # goodput's cost profile: once, as a job's worker does while it loads
+                                 profile_cache=str(cache_dir() / "profiles"), **spec.resources.engine_settings())
+        self.engine.measure_costs()  # goodput's cost profile: once per machine and settings, as a job's worker's
 
     def generate(self, prompts: str | dict | Iterable[str | list | dict], **settings) -> list[dict]:
         """One dict per output row, with the columns of a job's Parquet output (`id`, `completion`, `token_ids`,

@@ -59,7 +59,9 @@ class SpecEngine:
     (default: on a GPU; True on a CPU runs the same padded static steps eagerly, for tests);
     `gpu_memory_fraction` bounds what the KV caches may take on a GPU (specdec/exec/memory.py); `profile`: measured
     costs to plan from instead of measuring them (specdec/plan/costmodel.py); `clock`: what rounds are timed by (a test
-    may drive a fake one). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
+    may drive a fake one); `profile_cache`: a folder where a measured profile is kept, one per hardware, models'
+    shapes and settings it depends on (`profile_depends`), so that a later engine of the same reads it instead of
+    measuring (None: measured by every engine). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
     for later rows (specdec/exec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
@@ -76,6 +78,7 @@ class SpecEngine:
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
                  kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
+                 profile_cache: str | None = None,
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -125,7 +128,9 @@ class SpecEngine:
             join_prefills=join_prefills, overlap=overlap, staging=Staging(self.device))
         self.needs_costs = POLICIES[spec.draft_length].needs_costs and max_draft > 0
         self.profile = profile  # measured costs (specdec/plan/costmodel.py); measured on first need if None
-        self.profile_s = 0.0  # seconds spent measuring it
+        self.profile_s = 0.0  # seconds spent measuring it (or reading it from `profile_cache`)
+        self.profile_cache = profile_cache
+        self.profile_kept = False  # the profile came from `profile_cache`, kept by an earlier engine
 
     @torch.inference_mode()
     def measure_costs(self) -> LengthPolicy:
@@ -139,7 +144,8 @@ class SpecEngine:
         if self.needs_costs:
             if self.profile is None:
                 t0 = time.perf_counter()
-                self.profile = self.measure_profile()
+                self.profile, self.profile_kept = profiler.kept(self.profile_cache, self.profile_depends(),
+                                                                self.measure_profile)
                 self.profile_s = time.perf_counter() - t0
             env.costs = CostModel(self.profile, self.context.widths)
         self.policy = POLICIES[self.spec.draft_length].build(self.spec, env) if self.method.drafts else \
@@ -153,11 +159,27 @@ class SpecEngine:
         policy = FixedLength(self.spec)  # drafts on demand: rows joining are prefilled in the draft
         batch = self.new_batch(self.batch_size, 64 + self.spec.max_nodes + 2, policy, prefixes=False)
         work = SyntheticRounds(self.context, batch, policy, self.sampling, self.method.draft_model, 64)
-        hardware = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else \
-            f"CPU x{torch.get_num_threads()}"
         return profiler.measure(work, self.batch_size, self.context.max_draft, self.method.draft_model,
                                 self.method.siblings(self.spec), self.context.clock,
-                                f"{hardware}, {next(self.pair.target.parameters()).dtype}", every_width=every_width)
+                                f"{profiler.hardware(self.device)}, {next(self.pair.target.parameters()).dtype}",
+                                every_width=every_width)
+
+    def profile_depends(self) -> dict:
+        """What this engine's cost profile depends on (`profile_cache` keeps one per distinct value): the hardware,
+        torch, the models' shapes and dtype, the batch size, the method's settings, the sampling settings rounds
+        compute by, and the step path."""
+        def shape(model) -> dict:
+            return {k: v for k, v in model.config.to_dict().items()
+                    if not k.startswith("_") and k not in ("transformers_version", "name_or_path")}
+
+        sampling = self.sampling.model_dump(mode="json", exclude={"max_new_tokens", "seed", "stop", "stop_token_ids",
+                                                                   "n"})
+        return {"hardware": profiler.hardware(self.device), "torch": torch.__version__, "profile": 1,
+                "dtype": str(next(self.pair.target.parameters()).dtype), "batch_size": self.batch_size,
+                "models": {name: shape(m) for name, m in self._models().items()},
+                "tp": None if self.pair.tp is None else self.pair.tp.group.world, "spec": self.spec.model_dump(mode="json"),
+                "sampling": sampling, "steps": [self.fast_path, self.step_graphs, self.kv_cache, self.prefill_chunk,
+                                                ModelRunner.compile_layers]}
 
     def _models(self) -> dict[str, torch.nn.Module]:
         """The models the method runs, by role."""

@@ -1,6 +1,8 @@
 """goodput and its cost model: predictions from a profile, corrections from live rounds, the lengths
 they settle on when driven with given round times, and goodput in the engine (lossless, profiled once)."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -197,6 +199,36 @@ def test_engine_profiles_once_and_a_saved_profile_replaces_the_measurement(targe
     again = engine(Profile.load(str(tmp_path / "costs.json")))
     assert [r.token_ids for r in again.generate(prompts)] == reference
     assert again.profile_s == 0 and again.profile == p
+
+
+def test_a_kept_profile_is_read_by_the_next_engine_of_the_same_settings(target, drafts, tmp_path, monkeypatch):
+    """With a `profile_cache` folder the first engine measures and keeps its profile there; a second engine of the
+    same models and settings reads it and measures nothing; one of another batch size, or another draft length
+    limit, measures its own; a kept file that cannot be read is measured again and replaced."""
+    measured = []
+    real = SpecEngine.measure_profile
+    monkeypatch.setattr(SpecEngine, "measure_profile", lambda self: (measured.append(self.batch_size), real(self))[1])
+    folder = str(tmp_path / "profiles")
+
+    def engine(bs=3, max_draft=4):
+        eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                         SpecConfig(max_draft_tokens=max_draft), batch_size=bs, profile_cache=folder)
+        eng.measure_costs()
+        return eng
+
+    first = engine()
+    assert measured == [3] and not first.profile_kept and len(os.listdir(folder)) == 1
+    again = engine()
+    assert measured == [3] and again.profile_kept and again.profile == first.profile
+    engine(bs=2)
+    engine(max_draft=3)
+    assert measured == [3, 2, 3] and len(os.listdir(folder)) == 3
+    (kept,) = [f for f in os.listdir(folder) if Profile.load(os.path.join(folder, f)) == first.profile]
+    with open(os.path.join(folder, kept), "w") as f:
+        f.write("{not json")
+    broken = engine()
+    assert measured == [3, 2, 3, 3] and not broken.profile_kept
+    assert Profile.load(os.path.join(folder, kept)) == broken.profile
 
 
 def test_a_slowdown_during_a_few_timings_biases_no_width(target, drafts, monkeypatch):

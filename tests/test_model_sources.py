@@ -267,3 +267,77 @@ def test_hub_ids_are_recognised_and_passed_through(tmp_path, tiny_pair, monkeypa
     captured = capfd.readouterr()
     assert token not in caplog.text + captured.out + captured.err
     assert "with token ***" in caplog.text
+
+
+def write_tiny_gguf(path: Path) -> None:
+    """A 2-layer Llama of random float32 weights with a byte-level tokenizer, as a GGUF file (gguf's writer)."""
+    import gguf
+    import numpy as np
+
+    vocab, d, layers, heads, kv, ff = 64, 32, 2, 4, 2, 64
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(d)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(d // heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(ord("a") + i) for i in range(26)] + ["ab"] + [f"T{i}" for i in range(27, vocab - 1)]
+                     + ["<eos>"])
+    w.add_token_types([1] * (vocab - 1) + [3])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(vocab - 1)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,), "output.weight": (vocab, d)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.attn_q.weight": (d, d),
+                       f"blk.{i}.attn_k.weight": (kv * d // heads, d), f"blk.{i}.attn_v.weight": (kv * d // heads, d),
+                       f"blk.{i}.attn_output.weight": (d, d), f"blk.{i}.ffn_norm.weight": (d,),
+                       f"blk.{i}.ffn_gate.weight": (ff, d), f"blk.{i}.ffn_up.weight": (ff, d),
+                       f"blk.{i}.ffn_down.weight": (d, ff)})
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.ones(shape, np.float32) if len(shape) == 1 else
+                     (rng.standard_normal(shape) * 0.3).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_model_is_dequantized_once_and_kept(tmp_path):
+    """Given a cache folder, a GGUF target is dequantized once and kept there as safetensors with its config and
+    tokenizer; the next load reads that copy (here the GGUF file's bytes are garbage by then, its size and time
+    unchanged) and gives the same weights, tokenizer, stop ids and logits; a changed file is dequantized anew."""
+    import torch
+
+    from specdec.config import ModelSource
+    from specdec.exec.models import kept_folder, load_pair
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    gguf = folder / "tiny.gguf"
+    write_tiny_gguf(gguf)
+    src, cache = ModelSource(path=str(folder), gguf_file="tiny.gguf", dtype="float32"), str(tmp_path / "cache")
+    first = load_pair(src, cache=cache)
+    kept = kept_folder(src, "cpu", cache)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(os.listdir(kept))
+    assert "quantization_config" not in (Path(kept) / "config.json").read_text()
+
+    st = gguf.stat()
+    gguf.write_bytes(b"\0" * st.st_size)  # a load that read the file now would fail
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = load_pair(src, cache=cache)
+    a, b = first.target.state_dict(), again.target.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert again.tokenizer.get_vocab() == first.tokenizer.get_vocab() and again.stop_token_ids == first.stop_token_ids
+    ids = torch.tensor([first.tokenizer("ab c d").input_ids])
+    assert torch.equal(first.target(ids).logits, again.target(ids).logits)
+
+    write_tiny_gguf(gguf)  # a new file (its time changed): dequantized and kept anew
+    load_pair(src, cache=cache)
+    assert kept_folder(src, "cpu", cache) != kept and len(os.listdir(Path(cache) / "dequantized")) == 2

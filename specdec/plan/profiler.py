@@ -13,12 +13,57 @@ cost) and one row's draft prefill.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
 from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from .costmodel import TUNING, Profile, Tuning, best_length, bucket, expected_tokens
+
+log = logging.getLogger(__name__)
+
+
+def hardware(device: torch.device) -> str:
+    """What a profile was measured on: the GPU's name, or the CPU's model and the threads torch computes with."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"CPU x{torch.get_num_threads()} ({name})"
+
+
+def kept(folder: str | None, depends: dict, measure: Callable[[], Profile]) -> tuple[Profile, bool]:
+    """(The profile kept in `folder` under a digest of what its costs `depends` on (JSON-able), or one measured now
+    and kept there; whether it was kept from before). A kept file that cannot be read is measured again; a folder
+    that cannot be written costs the keeping, never the profile. None: measured, not kept."""
+    if folder is None:
+        return measure(), False
+    digest = hashlib.sha256(json.dumps(depends, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = os.path.join(folder, f"profile-{digest}.json")
+    if os.path.exists(path):
+        try:
+            return Profile.load(path), True
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("specbatch: the kept cost profile %s cannot be read (%s); measuring it again", path, exc)
+    profile = measure()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        part = f"{path}.{os.getpid()}.part"
+        profile.save(part)
+        os.replace(part, path)  # whole or not at all: another process may read it now
+    except OSError as exc:
+        log.warning("specbatch: could not keep the cost profile in %s (%s)", folder, exc)
+    return profile, False
 
 
 class Workload(Protocol):

@@ -1,9 +1,10 @@
 """The GPU lease kit (bench/gpu/): what its stages import is on the device image or carried, the check that
-says so refuses what the image lacks, the calls fit the lease, and its three calls rehearse here on CPU."""
+says so refuses what the image lacks, the calls fit the lease, and its calls (three, and an optional fourth) rehearse here on CPU."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -88,6 +89,11 @@ def test_the_calls_fit_the_lease():
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
     assert 30 + sum(limits.values()) + 2 * 10 <= 600, limits
+    # the optional fourth (no model part): within its limit, and the four within 14 of the lease's 15 minutes
+    (fourth,) = re.findall(r'run\(carry=\["\.carry/whl"\], command="bash bench/gpu/run\.sh fourth", timeout_s=(\d+)\)',
+                           readme)
+    shape = setup + int(re.search(r"\$\{KIT_SHAPE_S:-(\d+)\}", run_sh).group(1))
+    assert shape <= int(fourth) and 30 + sum(limits.values()) + int(fourth) + 3 * 10 <= 14 * 60, (shape, fourth)
 
 
 def wheel_requirements(path: str) -> set[str]:
@@ -102,7 +108,7 @@ def wheel_requirements(path: str) -> set[str]:
 @pytest.mark.skipif(not os.path.isdir(SHARED_DRAFT), reason="needs the team's ../shared/models/smollm2-draft-4l "
                     "beside the checkout (CI has it)")
 def test_the_kit_rehearses_on_cpu(tmp_path):
-    """prepare.sh packs the real pair and the cp312 wheels; rehearse.sh runs the three calls as the device would."""
+    """prepare.sh packs the real pair and the cp312 wheels; rehearse.sh runs the four calls as the device would."""
     carry, work = tmp_path / "carry", tmp_path / "work"
     r = subprocess.run(["bash", os.path.join(KIT, "rehearse.sh"), str(work)], cwd=ROOT, capture_output=True,
                        text=True, timeout=1200, env=dict(os.environ, KIT_CARRY=str(carry)))
@@ -115,8 +121,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     for w in whl:
         assert wheel_requirements(w) <= set(listed("image.txt")) | set(listed("wheels.txt")), w
     payloads = [int(b) for b in re.findall(r"^# call \w+: carries (\d+) bytes", log, re.M)]
-    assert len(payloads) == 3 and all(p <= MIB64 for p in payloads), payloads
-    out = {s: work / f"out-{s}" for s in ("first", "second", "third")}
+    assert len(payloads) == 4 and all(p <= MIB64 for p in payloads), payloads
+    out = {s: work / f"out-{s}" for s in ("first", "second", "third", "fourth")}
     for stage, folder in out.items():
         text = (folder / f"{stage}.log").read_text()
         assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
@@ -137,6 +143,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)\s+\d+$", table, re.M)
     assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table
     assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row
+    shape = json.loads((out["fourth"] / "shape_pair.json").read_text())  # both batch sizes, lossless
+    assert set(shape) == {"1", "2"} and all(r["equal_to_ar"] and r["best_fixed_k"] == 2 for r in shape.values()), shape
     profile = (out["third"] / "round_profile.txt").read_text()
     assert re.search(r"^## plain: \d+\.\d+ ms per round", profile, re.M), profile[:2000]
     assert re.search(r"^## fixed k=2: \d+\.\d+ ms per round", profile, re.M) and "Self CPU" in profile, profile[:2000]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The kit's three device calls, rehearsed here on CPU as the device runs them (tests/test_gpu_kit.py runs this):
+# The kit's device calls, rehearsed here on CPU as the device runs them (tests/test_gpu_kit.py runs this):
 # each call gets a fresh copy of what the device tool sends (tree_bytes.sh) plus that call's carried paths, and
 # runs the same run.sh stage with the same PYTHONPATH scheme and the carried wheels installed by pip --no-index
 # --no-deps --target (wheels.txt's pins, for this Python: the device's are cp312), under the image's view
 # (view/sitecustomize.py: only image.txt's and wheels.txt's packages import). CPU, tiny shapes, short budgets
 # (run.sh's knobs); the real pair's parts are prepare.sh's (run first unless $KIT_CARRY holds them). Each
 # call's payload (tree, cp312 wheels, its part) must fit the device's 64 MiB.
-#   bash bench/gpu/rehearse.sh [WORKDIR]     outputs in WORKDIR/out-{first,second,third}
+#   bash bench/gpu/rehearse.sh [WORKDIR]     outputs in WORKDIR/out-{first,second,third,fourth}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY=$(realpath -m "${KIT_CARRY:-.carry}")
@@ -30,17 +30,19 @@ export KIT_DEVICE=cpu KIT_TMP=$WORK/machine KIT_VIEW=$WORK/tree/bench/gpu/view K
   KIT_TEST_K=${KIT_TEST_K:-"lean_forward_matches or mismatched_pair or row_processing_equals or random123 or allocated_length or plain_rounds_queue"} \
   KIT_POLICY_ARGS=${KIT_POLICY_ARGS:-"--batches 1 --policies fixed --ks 2 --prompts 1 --max-new 4 --repeats 1"} \
   KIT_PROFILE_S=${KIT_PROFILE_S:-300} KIT_PROFILE_ARGS=${KIT_PROFILE_ARGS:-"--batch 1 --max-new 4 --top 5"} \
-  KIT_PAGED_S=${KIT_PAGED_S:-300} KIT_PAGED_ARGS=${KIT_PAGED_ARGS:-"--shapes tiny --batches 2 --kv 200 --queries 1 --repeats 3"}
+  KIT_PAGED_S=${KIT_PAGED_S:-300} KIT_PAGED_ARGS=${KIT_PAGED_ARGS:-"--shapes tiny --batches 2 --kv 200 --queries 1 --repeats 3"} \
+  KIT_SHAPE_S=${KIT_SHAPE_S:-300} KIT_SHAPE_ARGS=${KIT_SHAPE_ARGS:-"--shapes tiny --batches 1,2 --ks 2 --max-new 8 --prompt-len 8"}
 rm -rf "$KIT_TMP"
 rc=0
-for i in 0 1 2; do
-  stage=$(echo first second third | cut -d' ' -f$((i + 1)))
+for i in 0 1 2 3; do
+  stage=$(echo first second third fourth | cut -d' ' -f$((i + 1)))
   tree=$WORK/tree
   rm -rf "$tree" "$WORK/out-$stage" && mkdir -p "$tree/.carry" "$WORK/out-$stage"
-  payload=$(( $(bash bench/gpu/tree_bytes.sh "$tree") + $(du -cb "$CARRY/whl" "$CARRY/p$i" | tail -1 | cut -f1) ))
+  part=$(ls -d "$CARRY/p$i" 2>/dev/null || true)  # the fourth call carries no model part
+  payload=$(( $(bash bench/gpu/tree_bytes.sh "$tree") + $(du -cb "$CARRY/whl" $part | tail -1 | cut -f1) ))
   echo "# call $stage: carries $payload bytes (the device takes 67108864)"
   [ "$payload" -le $(( 64 * 1024 * 1024 )) ] || { echo "# call $stage: over 64 MiB"; rc=1; }
-  cp -r "$WHL" "$tree/.carry/whl" && cp -r "$CARRY/p$i" "$tree/.carry/"
+  cp -r "$WHL" "$tree/.carry/whl" && { [ -z "$part" ] || cp -r "$part" "$tree/.carry/"; }
   t0=$SECONDS
   OUT=$WORK/out-$stage bash "$tree/bench/gpu/run.sh" "$stage" || rc=$?
   echo "# call $stage: done after $((SECONDS - t0)) s"

@@ -10,8 +10,9 @@ the runners' `step` (the target's verification, and the draft's steps at k > 0);
 `verify.scan` (the argmax and non-finite check over every verified or drafted position's logits: tensor work the
 size of the vocabulary, which a GPU does in microseconds and one CPU thread in milliseconds); host work = round -
 forwards - scans: the round's Python, its small tensors and its one read-back; the autoregressive round again with
-rounds that wait for each other (`overlap=False`: on a CPU overlap gives nothing, and must cost nothing). transformers: one decode step of
-`model(...)` with its cache, timed alone, and `generate`'s time per new token. Medians over the repeats, in ms.
+rounds that wait for each other (`overlap=False`: on a CPU overlap gives nothing, and must cost nothing).
+transformers: one decode step of `model(...)` with its cache, timed alone, and `generate`'s time per new token.
+Medians over the repeats, in ms.
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ class StepClock:
 
 def run(eng: SpecEngine, prompts: list[list[int]], split: bool) -> dict:
     """One untimed generate(), then a timed one: tok/s, tokens per target call, the rows' tokens, the acceptance
-    counts over every generate() it ran, and (`split`) ms per round in the draft's forwards, the target's and the rest (the split's syncs
-    around each step cost a little: a separate run)."""
+    counts over every generate() it ran, and (`split`) ms per round in the draft's forwards, the target's and the
+    rest (the split's syncs around each step cost a little: a separate run)."""
     eng.measure_costs()
     tested = [eng.generate(prompts)]
     sync()

@@ -18,7 +18,8 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
 The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
 once allows at batch 1. `busy` (our paths, on a GPU): the device's time on the rounds (CUDA events from each
-round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host. Prints as it goes; stops starting new rows after --deadline seconds.
+round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host.
+Prints as it goes; stops starting new rows after --deadline seconds.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def main():
     log(args.out, environment())
     log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
                   f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} {'first run s':>11s} {'busy':>5s}  step path")
+    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} "
+                  f"{'first run s':>11s} {'busy':>5s}  step path")
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.deadline:
             break
@@ -207,7 +209,8 @@ def main():
             got[name, batch] = tok_s
             rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
             bz = "-" if busy is None else f"{busy:.2f}"
-            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  {step_path}")
+            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
+                          f"{step_path}")
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
             refs = [(r, got[r, batch]) for r in ("fast-serial", "generic", "hf eager", "hf compiled")
                     if (r, batch) in got and r != name]

@@ -132,8 +132,8 @@ class Policy:
 
 # the first is the default
 POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("goodput", "GoodputLength", "one K per round for the whole batch, chosen from measured costs: the default",
-           needs_costs=True),
+    Policy("goodput", "GoodputLength", "one K per round for the whole batch, chosen from costs measured at start "
+           "(once per machine and settings: kept in the cache folder): the default", needs_costs=True),
     Policy("fixed", "FixedLength", "`num_draft_tokens` every round", ("num_draft_tokens",)),
     Policy("heuristic", "HeuristicLength", "transformers' schedule: +2 after a fully accepted round, else -1",
            ("num_draft_tokens",)),

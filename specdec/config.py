@@ -34,7 +34,8 @@ class ModelSource(Config):
                                   "storage's credentials; safetensors, GGUF and metadata only), either fetched once "
                                   "per node into the cache; or a Hugging Face Hub id `ORG/NAME` (`HF_TOKEN` from the "
                                   "environment), loaded as transformers loads it")
-    gguf_file: str | None = Field(None, description="GGUF file name inside `path` (dequantised to `dtype`)")
+    gguf_file: str | None = Field(None, description="GGUF file name inside `path` (dequantised to `dtype` once per "
+                                                    "node, kept in the cache folder as safetensors)")
     dtype: DType = Field("auto", description="`auto` is bfloat16 on a GPU with bf16 and on a CPU with AVX512-BF16 or "
                                              "AMX, float16 on older GPUs, float32 on other CPUs (where bfloat16 is "
                                              "emulated and slow); name it where parts must match bit for bit across "

@@ -61,8 +61,9 @@ class SpecEngine:
     costs to plan from instead of measuring them (specdec/plan/costmodel.py); `clock`: what rounds are timed by (a test
     may drive a fake one); `profile_cache`: a folder where a measured profile is kept, one per hardware, models'
     shapes and settings it depends on (`profile_depends`), so that a later engine of the same reads it instead of
-    measuring (None: measured by every engine). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt prefixes' keys and values
-    for later rows (specdec/exec/prefix.py; on a GPU within what the memory plan leaves once a batch is sized).
+    measuring (None: measured by every engine). `prefix_caching` keeps up to `prefix_cache_bytes` of prompt
+    prefixes' keys and values for later rows (specdec/exec/prefix.py; on a GPU within what the memory plan leaves
+    once a batch is sized).
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
@@ -177,7 +178,8 @@ class SpecEngine:
         return {"hardware": profiler.hardware(self.device), "torch": torch.__version__, "profile": 1,
                 "dtype": str(next(self.pair.target.parameters()).dtype), "batch_size": self.batch_size,
                 "models": {name: shape(m) for name, m in self._models().items()},
-                "tp": None if self.pair.tp is None else self.pair.tp.group.world, "spec": self.spec.model_dump(mode="json"),
+                "tp": None if self.pair.tp is None else self.pair.tp.group.world,
+                "spec": self.spec.model_dump(mode="json"),
                 "sampling": sampling, "steps": [self.fast_path, self.step_graphs, self.kv_cache, self.prefill_chunk,
                                                 ModelRunner.compile_layers]}
 

@@ -57,8 +57,8 @@ def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, refere
 ])
 def test_overlap_changes_no_token(target, drafts, prompts, method, spec):
     """Eight prompts through a batch of 3 with stop tokens that end rows at rounds the host cannot foresee (they
-    ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason, rounds and
-    acceptance are those of rounds that wait for each other. Rounds that draft are never queued ahead."""
+    ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason,
+    rounds and acceptance are those of rounds that wait for each other. Rounds that draft are never queued ahead."""
     stop = (23, 58)
     for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
                                                                       seed=5)):

@@ -10,14 +10,14 @@ target's cache):
 A round is queued on the device whole (`launch`), its results copied back behind it without the host waiting
 (`Readback`, `Staging`), and handled on the host when they land (`land`): one read-back per round. Everything the
 host needs to queue a round (lengths, K) it already knows; after a round in which no row drafted it knows every
-row's length too (one more), so the next plain round is queued before the host reads that one back: the host's
-work overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads (the rule, verify widths, the clock, stop sets, output
-formats, the draft limit) is a `RoundContext` the engine builds once. Rows with an output format
-(specdec/spec/grammar.py) are verified under its masks, and then take the tokens it allows alone (jump-forward): the
-target reads those in the next round's forward, which then starts up to `lag` tokens before each row's pending
-token. While rows decode, rows join within one `prefill_chunk` of prompt tokens, and their prefill ends in the next
-round's target forward, beside the other rows' verification (`Batch.target_inputs`' `Join`): the decoding rows wait
-for no prefill of their own.
+row's length too (one more), so the next plain round is queued before the host reads that one back: the host's work
+overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads (the rule,
+verify widths, the clock, stop sets, output formats, the draft limit) is a `RoundContext` the engine builds once.
+Rows with an output format (specdec/spec/grammar.py) are verified under its masks, and then take the tokens it
+allows alone (jump-forward): the target reads those in the next round's forward, which then starts up to `lag`
+tokens before each row's pending token. While rows decode, rows join within one `prefill_chunk` of prompt tokens,
+and their prefill ends in the next round's target forward, beside the other rows' verification
+(`Batch.target_inputs`' `Join`): the decoding rows wait for no prefill of their own.
 """
 
 from __future__ import annotations

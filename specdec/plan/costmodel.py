@@ -64,6 +64,9 @@ class Tuning:
     wait, up to this)."""
     probe_samples: int = 2
     """Live samples a re-timing takes of a length."""
+    settle: int = 8
+    """Rounds the lengths' scores stand while no row drafts, none is admitted and the batch keeps its size (plain
+    rounds then cost almost no policy work; re-timings still fall due on time)."""
     probe_rounds: int = 3
     """Rounds a re-timing may run to take them."""
     step_margin: float = 0.15

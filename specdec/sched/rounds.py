@@ -304,6 +304,8 @@ class Rounds:
             return np.zeros(n, dtype=np.int64)
         plan = self.policy.plan(self.view(n, reach=True))
         self.admitted = 0
+        if not np.any(plan):
+            return np.zeros(n, dtype=np.int64)
         return np.minimum(plan, self.room(n))
 
     def launch(self, limits: np.ndarray, joining: PrefillPlan | None = None) -> Launched:

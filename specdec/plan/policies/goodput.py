@@ -63,6 +63,8 @@ class GoodputLength(LengthPolicy):
         self.groups: dict[bool, list[int]] = {False: [], True: []}  # rows per admission, after plain / drafting rounds
         self.last: int | None = None  # the K of the last round
         self.probe: _Probe | None = None
+        self.scored: tuple[tuple, tuple] | None = None  # ((rows, cost rounds), `scores`) of the last scoring
+        self.decided: tuple[tuple, int, float] | None = None  # (the scores, the choice, the round a re-timing is due)
         # token trees (prompt lookup with alignment sampling): 0..s siblings per node, chosen with K
         most = env.siblings
         self.sibling_choices = list(range(most + 1))
@@ -158,6 +160,19 @@ class GoodputLength(LengthPolicy):
             parts.append((tokens, sd, cost))
         return tuple(np.concatenate(x) for x in zip(*parts))
 
+    def recent_scores(self, view: BatchView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`scores`, or the last ones while they still stand: since them only plain rounds ran (which teach no
+        acceptance and barely move a cost), no rows were admitted, the batch kept its size, within `Tuning.settle`
+        rounds; a drafter whose reach changes by round (prompt lookup) is scored every round."""
+        rounds = self.costs.rounds
+        if self.scored is not None and view.reach is None and not view.admitted and self.last == 0:
+            (n, since), scores = self.scored
+            if n == view.n and rounds - since < self.tuning.settle:
+                return scores
+        scores = self.scores(view)
+        self.scored = ((view.n, rounds), scores)
+        return scores
+
     def rate_sd(self, a: np.ndarray, tested: np.ndarray, pair: float) -> np.ndarray:
         """[n] the standard deviation of rows' rate estimates: a row's own tested tokens, and the pair's rate it
         is shrunk towards (`Tuning.row_weight`), itself resting on all rows' tested tokens and a weak prior. Until the
@@ -178,9 +193,13 @@ class GoodputLength(LengthPolicy):
         if probe is not None and probe.bucket == b and probe.samples_left > 0 and probe.rounds_left > 0:
             probe.rounds_left -= 1
             return self.take(probe.choice)
-        tokens, sd, cost = self.scores(view)
+        scores = self.recent_scores(view)
+        if self.decided is not None and self.decided[0] is scores and probe is None and costs.rounds < self.decided[2]:
+            return self.take(self.decided[1])  # the same scores, and no re-timing due yet: the same choice
+        tokens, sd, cost = scores
         known = np.flatnonzero(~np.isnan(cost))
         if not len(known):
+            self.decided = (scores, 0, np.inf)
             return self.take(0)
         best = best_length(tokens, cost)
         mean, hope = tokens / cost, (tokens + t.optimism * sd) / cost
@@ -196,17 +215,22 @@ class GoodputLength(LengthPolicy):
         self.choice[b] = best
         ranked = [best] + sorted((int(k) for k in known if k != best), key=lambda k: hope[k], reverse=True)
         if best == 0 and in_step and costs.profile.prefill_fixed > 0:
+            self.decided = (scores, best, np.inf)
             return self.take(best)  # a probe would put rows that share their admissions out of step for good
         k_best, s_best = self.split(best)
         near = {best - 1, best + 1, 0, *ranked[1:2], *(best + (s - s_best) * (self.spec.max_draft_tokens + 1)
                                                        for s in self.sibling_choices)}  # the same K at other widths
+        due = np.inf  # the round the first of the lengths that could be re-timed falls stale
         for c in ranked[1:]:
             stamp = costs.stamp.get((b, *self.split(c)))
-            stale = costs.rounds - (stamp or 0) > self.wait.get((b, c), t.refresh)
             # a neighbour never run live rests on one start-up timing alone (a loaded machine's, maybe): once
-            if c in near and stale and (stamp is None or hope[c] >= t.retime_within * mean[best]):
-                self.probe = _Probe(b, best, c, t.probe_samples, t.probe_rounds)
-                return self.take(c)
+            if c in near and (stamp is None or hope[c] >= t.retime_within * mean[best]):
+                stale_at = (stamp or 0) + self.wait.get((b, c), t.refresh) + 1
+                if costs.rounds >= stale_at:
+                    self.probe = _Probe(b, best, c, t.probe_samples, t.probe_rounds)
+                    return self.take(c)
+                due = min(due, stale_at)
+        self.decided = (scores, best, due)
         return self.take(best)
 
     def take(self, c: int) -> int:

@@ -12,11 +12,11 @@ from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 
 
-def traced(target, draft=None, overlap=True, bs=4, stop=(), max_new=MAX_NEW, **spec):
+def traced(target, draft=None, overlap=True, bs=4, stop=(), max_new=MAX_NEW, kv_cache="dense", **spec):
     """An engine whose read-backs report to a list of (event, round)."""
     events = []
     eng = SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new), SpecConfig(**spec),
-                     batch_size=bs, overlap=overlap)
+                     batch_size=bs, overlap=overlap, kv_cache=kv_cache)
     eng.context.staging.trace = lambda event, r: events.append((event, r))
     return eng, events
 
@@ -49,14 +49,16 @@ def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, refere
     assert ahead(events) == (0, MAX_NEW)
 
 
-@pytest.mark.parametrize("method, spec", [
-    ("none", {}),
-    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 3}),
-    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 0}),
-    ("prompt_lookup", {"draft_length": "fixed", "num_draft_tokens": 2}),
+@pytest.mark.parametrize("method, spec, kv_cache", [
+    ("none", {}, "dense"),
+    ("none", {}, "paged"),
+    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 3}, "dense"),
+    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 0}, "paged"),
+    ("prompt_lookup", {"draft_length": "fixed", "num_draft_tokens": 2}, "dense"),
 ])
-def test_overlap_changes_no_token(target, drafts, prompts, method, spec):
-    """Eight prompts through a batch of 3 with stop tokens that end rows at rounds the host cannot foresee (they
+def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cache):
+    """Eight prompts through a batch of 3 (dense rows, or a paged pool whose rows reserve only their own blocks: a
+    rider writes within them) with stop tokens that end rows at rounds the host cannot foresee (they
     ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason,
     rounds and acceptance are those of rounds that wait for each other. Rounds that draft are never queued ahead."""
     stop = (23, 58)
@@ -64,7 +66,8 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec):
                                                                       seed=5)):
         runs = {}
         for overlap in (True, False):
-            eng, events = traced(target, drafts["noisy"], overlap, bs=3, stop=stop, method=method, **spec)
+            eng, events = traced(target, drafts["noisy"], overlap, bs=3, stop=stop, kv_cache=kv_cache, method=method,
+                                 **spec)
             eng.sampling = sp
             runs[overlap] = (results(eng.generate(prompts)), *ahead(events))
         assert runs[True][0] == runs[False][0]

@@ -74,7 +74,7 @@ class Flight:
     def mark(self, moment: str) -> None:
         """Record `moment` ("start", "verify") on the device's queue."""
         if self.cuda:
-            self.events[moment].record()
+            self.events[moment].record(torch.cuda.current_stream(self.device))
             self.marked.add(moment)
 
     def send(self, packed: torch.Tensor) -> None:
@@ -90,7 +90,7 @@ class Flight:
             self.buffer = torch.empty(max(size, 2 * (0 if self.buffer is None else self.buffer.numel())),
                                       dtype=torch.int64, pin_memory=True)
         self.buffer[:size].view(packed.shape).copy_(packed, non_blocking=True)
-        self.events["end"].record()
+        self.events["end"].record(torch.cuda.current_stream(self.device))
         self.host = self.buffer[:size].view(packed.shape).numpy()
 
     def wait(self) -> np.ndarray:

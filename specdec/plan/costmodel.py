@@ -64,6 +64,9 @@ class Tuning:
     wait, up to this)."""
     probe_samples: int = 2
     """Live samples a re-timing takes of a length."""
+    timing_floor: float = 0.005
+    """Seconds a start-up timing's runs add up to at least (up to 16 runs): the least of a few sub-millisecond runs
+    is noisy enough to make a second draft token look nearly free."""
     settle: int = 8
     """Rounds the lengths' scores stand while no row drafts, none is admitted and the batch keeps its size (plain
     rounds then cost almost no policy work; re-timings still fall due on time)."""

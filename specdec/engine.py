@@ -175,7 +175,7 @@ class SpecEngine:
 
         sampling = self.sampling.model_dump(mode="json", exclude={"max_new_tokens", "seed", "stop", "stop_token_ids",
                                                                    "n"})
-        return {"hardware": profiler.hardware(self.device), "torch": torch.__version__, "profile": 1,
+        return {"hardware": profiler.hardware(self.device), "torch": torch.__version__, "profile": 2,
                 "dtype": str(next(self.pair.target.parameters()).dtype), "batch_size": self.batch_size,
                 "models": {name: shape(m) for name, m in self._models().items()},
                 "tp": None if self.pair.tp is None else self.pair.tp.group.world,

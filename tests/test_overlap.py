@@ -76,3 +76,42 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
         drafting = method != "none" and spec.get("num_draft_tokens") != 0
         assert (runs[True][1] == 0) == drafting
         assert (runs[True][2] > runs[False][2]) == (not drafting)  # rounds that stopped rows rode
+
+
+def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
+    """`Rounds.finish_plain` (rows without stop strings, own stop ids, logprobs or formats, finished over the
+    read-back at once) gives every row the tokens, finish reason and statistics `Rounds.finish` gives it row by row:
+    random read-backs, stop tokens anywhere among x_1..x_a, y (or past them), rows near max_new_tokens."""
+    import copy
+
+    import numpy as np
+
+    from specdec.config import SampleResult
+    from specdec.plan.policies import FixedLength
+    from specdec.sched.batch import Row
+    from specdec.sched.rounds import Readback, Rounds
+
+    n, w, max_new = 16, 5, 10
+    eng = SpecEngine(pair(target, None, (5, 9)), SamplingParams(max_new_tokens=max_new), SpecConfig(method="none"),
+                     batch_size=n)
+    policy = FixedLength(eng.spec)
+    batch = eng.new_batch(n, 64, policy, prefixes=False)
+    loop = Rounds(eng.context, batch, policy, [], [])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows = []
+        for i in range(n):
+            done = int(rng.integers(0, max_new))
+            res = SampleResult(key=i, prompt_tokens=3, token_ids=rng.integers(10, 20, done).tolist())
+            rows.append(Row(i, res, [1, 2, 3] + res.token_ids, None, 0.0, eng.sampling))
+        out = Readback(accepted=rng.integers(0, w, n), drafted=np.full(n, w - 1), target_non_finite=np.zeros(n, bool),
+                       tokens=rng.choice([5, 9, 11, 12, 13, 14], size=(n, w), p=[0.1, 0.05, 0.25, 0.2, 0.2, 0.2]))
+        got, want = [], []
+        for finish, kept in ((lambda: loop.finish_plain(list(range(n)), out, 3), got),
+                             (lambda: sum(loop.finish(i, out, 3) for i in range(n)), want)):
+            batch.rows[:n] = copy.deepcopy(rows)
+            assert loop.plain_rows(list(range(n)), out) == (list(range(n)), [])
+            kept.append(finish())
+            kept += [(r.tokens, r.result.token_ids, r.result.finish_reason, r.result.rounds, r.result.draft_forwards,
+                      r.result.draft_lengths, r.result.accept_lengths) for r in batch.rows[:n]]
+        assert got == want

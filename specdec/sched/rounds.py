@@ -153,7 +153,7 @@ class Rounds:
 
     def run(self, queue: deque) -> None:
         """Rounds until the queue is empty and every row has finished. A round of plain decoding (no row drafts)
-        is queued on the device before the host reads back the plain round before it (`ahead`): the host's work
+        is queued on the device before the host reads back the plain round before it (`may_go_ahead`): the host's work
         on round r overlaps the device's on round r + 1. Rows leave and join only while no round is in flight:
         a row that finished in a round another already follows rides that one (its tokens dropped) and leaves
         after it."""
@@ -175,7 +175,7 @@ class Rounds:
                 flight = None
                 if self.changes(queue):
                     continue
-                limits = np.minimum(limits, self.room(b.n))
+                limits = np.minimum(limits, self.draft_room(b.n))
             launched = self.launch(limits, joining)
             if flight is not None:
                 self.land(flight)
@@ -293,20 +293,20 @@ class Rounds:
         """What the policy sees of rows [0, n); `reach`: with how deep each row can draft now (before a round)."""
         return BatchView(n, self.waiting, self.admitted, self.batch.proposer.reach(n) if reach else None)
 
-    def room(self, n: int) -> np.ndarray:
+    def draft_room(self, n: int) -> np.ndarray:
         """[n] host: the most tokens each row may draft before max_new_tokens (0 for a finished row)."""
         return np.array([0 if r.done else r.sp.max_new_tokens - r.result.generated_tokens - 1
                          for r in self.batch.rows[:n]], dtype=np.int64)
 
     def limits(self, n: int) -> np.ndarray:
-        """[n] host: the tokens each row may draft this round (the policy's plan, within the row's `room`)."""
+        """[n] host: the tokens each row may draft this round (the policy's plan, within its `draft_room`)."""
         if not self.max_draft:
             return np.zeros(n, dtype=np.int64)
         plan = self.policy.plan(self.view(n, reach=True))
         self.admitted = 0
         if not np.any(plan):
             return np.zeros(n, dtype=np.int64)
-        return np.minimum(plan, self.room(n))
+        return np.minimum(plan, self.draft_room(n))
 
     def launch(self, limits: np.ndarray, joining: PrefillPlan | None = None) -> Launched:
         """Queue one round of the active rows on the device: propose within `limits`, verify, and the read-back

@@ -94,9 +94,12 @@ def _check_weights(src: ModelSource, path: str) -> None:
                          "(convert with `save_pretrained(..., safe_serialization=True)`)")
 
 
-def kept_folder(src: ModelSource, device: str | torch.device, cache: str) -> str:
+def kept_folder(src: ModelSource, device: str | torch.device, cache: str | None) -> str | None:
     """Where a GGUF model's dequantized copy is kept in `cache`: named by the file (its real path, size and
-    modification time), the dtype it is dequantized to and transformers' version."""
+    modification time), the dtype it is dequantized to and transformers' version. None without a cache or a GGUF
+    file."""
+    if cache is None or not src.gguf_file:
+        return None
     gguf = os.path.realpath(os.path.join(_local(src), src.gguf_file))
     st = os.stat(gguf)
     import transformers
@@ -105,12 +108,9 @@ def kept_folder(src: ModelSource, device: str | torch.device, cache: str) -> str
     return os.path.join(cache, "dequantized", hashlib.sha256(key.encode()).hexdigest()[:20])
 
 
-def _kept(src: ModelSource, device: str | torch.device, cache: str | None) -> ModelSource:
-    """The source to load: a GGUF model's kept copy (a complete folder) where there is one, else `src` itself."""
-    if cache is None or not src.gguf_file:
-        return src
-    folder = kept_folder(src, device, cache)
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+def _kept(src: ModelSource, folder: str | None) -> ModelSource:
+    """The source to load: the kept copy in `folder` (`kept_folder`) where it is whole, else `src` itself."""
+    if folder is None or not os.path.isfile(os.path.join(folder, "model.safetensors")):
         return src
     return src.model_copy(update={"path": folder, "gguf_file": None})
 
@@ -150,7 +150,8 @@ def load_model(src: ModelSource, device: str | torch.device = "cpu", cache: str 
     dequantized once and kept there (`kept_folder`); later loads read the kept copy."""
     from transformers import AutoModelForCausalLM
 
-    kept = _kept(src, device, cache)
+    folder = kept_folder(src, device, cache)
+    kept = _kept(src, folder)
     dtype = resolve_dtype(src.dtype, device)
     path = _local(kept)
     _check_weights(kept, path)
@@ -160,8 +161,8 @@ def load_model(src: ModelSource, device: str | torch.device = "cpu", cache: str 
     else:
         kwargs["use_safetensors"] = True
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if kept.gguf_file and cache is not None:
-        _keep(model, src, kept_folder(src, device, cache))
+    if kept.gguf_file and folder is not None:
+        _keep(model, src, folder)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -169,7 +170,7 @@ def load_tokenizer(src: ModelSource, cache: str | None = None, device: str | tor
     """A source's tokenizer (a GGUF file's kept copy's, where `cache` holds one)."""
     from transformers import AutoTokenizer
 
-    src = _kept(src, device, cache)
+    src = _kept(src, kept_folder(src, device, cache))
     path = _local(src)
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
     return AutoTokenizer.from_pretrained(path, trust_remote_code=src.trust_remote_code, **kwargs)

@@ -114,6 +114,7 @@ def main():
         engines = {}
         new_shapes: dict[str, list[int]] = {}  # step shapes first run inside timed runs (a GPU captures each)
         startup: dict[str, list[float]] = {}  # start-up profile seconds per engine built (goodput); not in tok/s
+        captures: dict[str, list[float]] = {}  # seconds each warmed engine's first job spent capturing its steps
         if args.warm:  # other prompts than the timed ones, as a worker's earlier shards would be
             others = chat_ids(pair.tokenizer, (HELD_OUT * 16)[8 : 8 + len(prompts)])
             for name, kw in runs:
@@ -121,6 +122,7 @@ def main():
                 if engines[name].profile_s:
                     startup.setdefault(name, []).append(engines[name].profile_s)
                 engines[name].generate(others)
+                captures.setdefault(name, []).append(engines[name].capture_s)
 
         def run(name, kw):
             eng = engines.get(name) or build(kw)
@@ -161,6 +163,10 @@ def main():
         for name, secs in startup.items():
             print(f"  {name}: start-up profile {statistics.median(secs):.1f} s per engine (once per worker; "
                   f"outside tok/s)", flush=True)
+        for name, secs in captures.items():
+            if max(secs) > 0:
+                print(f"  {name}: steps captured before the first job's rows joined in {max(secs):.1f} s "
+                      f"(outside tok/s)", flush=True)
 
 
 def step_shapes(eng) -> int:

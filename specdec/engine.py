@@ -71,7 +71,8 @@ class SpecEngine:
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
-    before; bench/host_work.py compares). `step_fault`: a test's hook that fails the first fast
+    before; bench/host_work.py compares). `capture_budget`: seconds a job may spend, before its rows join,
+    capturing the steps it can meet (`capture_steps`; those left are captured when first met). `step_fault`: a test's hook that fails the first fast
     step of a shape (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
@@ -79,7 +80,7 @@ class SpecEngine:
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
                  kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
-                 profile_cache: str | None = None,
+                 profile_cache: str | None = None, capture_budget: float = 20.0,
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -132,6 +133,8 @@ class SpecEngine:
         self.profile_s = 0.0  # seconds spent measuring it (or reading it from `profile_cache`)
         self.profile_cache = profile_cache
         self.profile_kept = False  # the profile came from `profile_cache`, kept by an earlier engine
+        self.capture_budget = capture_budget
+        self.capture_s = 0.0  # seconds the last job spent capturing steps before its rows joined
 
     @torch.inference_mode()
     def measure_costs(self) -> LengthPolicy:
@@ -333,6 +336,27 @@ class SpecEngine:
             stores.attach({name: r.cache for name, r in self._runners.items()}, {"target": proposer.prompt_top_ids})
         return batch
 
+    def capture_steps(self, rows: int, shortest: int, longest: int) -> None:
+        """Capture now, before any row joins, the steps a batch of up to `rows` rows whose rows hold from `shortest`
+        to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`) at every row, width and window
+        bucket; the whole batch's first, narrow windows first, for up to `capture_budget` seconds (a step left out
+        is captured when first met, inside the job). Nothing where no steps are captured (a CPU by default)."""
+        t0 = time.perf_counter()
+        runners = {name: r for name, r in self._runners.items() if getattr(r, "graphs", None) is not None}
+        if not runners:
+            return
+        some = next(iter(runners.values()))
+        buckets = sorted({some.key(n, 1, 1, True)[0] for n in range(1, rows + 1)}, reverse=True)
+        lo, hi = some.key(1, 1, shortest, True)[2], some.key(1, 1, longest, True)[2]
+        windows = [kv for kv in memory.kv_buckets(some.cache.max_len, some.min_kv_bucket) if lo <= kv <= hi]
+        deadline = t0 + self.capture_budget
+        kinds = {name: memory.step_kinds(name, runner.max_graph_width) for name, runner in runners.items()}
+        for r in buckets:
+            for kv in windows:
+                for name, runner in runners.items():
+                    runner.capture([(r, w, kv, not last) for w, last in kinds[name]], deadline)
+        self.capture_s = time.perf_counter() - t0
+
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:
         """The longest prompt a row of `max_new` new tokens can take: every slot of the row (the draft's slack
         included) within the models' positions, and, on a GPU, the row alone within the memory plan."""
@@ -409,6 +433,7 @@ class SpecEngine:
                     self.prefix.limit(plan.left(need))
             batch = self.new_batch(want, max(slots), policy, blocks,
                                    formats=any(requests[i].sp.grammar is not None for i in todo))
+            self.capture_steps(want, min(len(requests[i].prompt) for i in todo), max(slots))
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 

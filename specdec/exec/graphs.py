@@ -35,6 +35,11 @@ def pow2_at_least(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+def width_buckets(width: int) -> list[int]:
+    """The widths steps of up to `width` tokens per row are padded to: powers of two, and `width`."""
+    return sorted({min(pow2_at_least(w), width) for w in range(1, width + 1)})
+
+
 def compiled_layer() -> Callable:
     from . import llama
 

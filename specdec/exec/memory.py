@@ -8,7 +8,7 @@ allocation replaces them):
   one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
   (specdec/exec/cache.py): its pool's slots instead, and its block tables;
 - captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
-  (logits and hidden states) for good; a key is (row bucket, width, KV bucket, all positions or the last), and
+  (logits and hidden states) for good; a key is (row bucket, width bucket, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
   working memory of one step;
 - activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cache import BLOCK, blocks_for, model_kv_shape
-from .graphs import pow2_at_least
+from .graphs import pow2_at_least, width_buckets
 from .prefix import shared_blocks, shared_tokens
 
 GiB = 1 << 30
@@ -145,11 +145,16 @@ class Role:
     graphs: bool  # its steps replay captured graphs
 
     def step_kinds(self, width: int) -> list[tuple[int, bool]]:
-        """(width, last) of the steps a round takes: the target verifies every position of up to `width`
-        tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
-        if self.name == "target":
-            return [(w, False) for w in range(1, width + 1)]
-        return [(1, False)] + [(w, True) for w in range(1, width + 1)]
+        return step_kinds(self.name, width)
+
+
+def step_kinds(name: str, width: int) -> list[tuple[int, bool]]:
+    """(width, last) of the captured steps a round of model `name` takes, widths padded to their buckets
+    (`width_buckets`): the target verifies every position of up to `width` tokens; the draft feeds one token
+    (every position) and catches up up to `width` tokens (the last)."""
+    if name == "target":
+        return [(w, False) for w in width_buckets(width)]
+    return [(1, False)] + [(w, True) for w in width_buckets(width)]
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Two paths behind one interface:
 - the lean path, for Llama-family models (specdec/exec/llama.py): one function of plain tensors; on a GPU
   every step (verification, draft steps, the draft's catch-up) replays a CUDA graph captured per
-  (row bucket, width, cache-length bucket), with the decoder layer compiled. Rows are padded to a
-  power of two (junk rows compute on free cache rows; their results are dropped) and the attention
-  reads a power-of-two bucket of slots, so a handful of graphs serve a whole job.
+  (row bucket, width bucket, cache-length bucket), with the decoder layer compiled. Rows and widths are
+  padded to powers of two (junk rows compute on free cache rows, junk columns on slots past their row's
+  tokens; their results are dropped) and the attention reads a power-of-two bucket of slots, so a handful
+  of graphs serve a whole job, and `capture` takes them all before the job's rows join.
 - the generic path: transformers' own modules over the cache (any decoder-only model), eager.
 
 `kv_len` is always given by the caller, who knows the rows' lengths on the host: no forward reads a
@@ -20,6 +21,7 @@ beyond tolerance of eager's send that shape to the eager path for good, said onc
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -139,14 +141,16 @@ class ModelRunner:
                         layer=llama.layer_forward)
         graphed = self.graphs is not None and t <= self.max_graph_width and mask is None
         if graphed:
-            rows = min(pow2_at_least(n), self.cache.rows)
-            kv = min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len)
-            key = (rows, t, kv, last is None)
+            key = rows, width, kv, _ = self.key(n, t, kv_len, last is None)
+            if width > t:  # junk columns after each row's last, at the next positions (slots no token reads yet)
+                tokens = F.pad(tokens, (0, width - t))
+                positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, width - t + 1,
+                                                                                   device=positions.device)], 1)
             inputs = (tokens, positions) if last is None else (tokens, positions, last)
 
             def fast():
                 logits, hidden = self.graphs.run(key, partial(self._step, kv_len=kv), rows, *inputs)
-                return logits[:n], hidden[:n]
+                return (logits[:n], hidden[:n]) if last is not None else (logits[:n, :t], hidden[:n, :t])
         else:
             key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations
             fast = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask)
@@ -155,6 +159,30 @@ class ModelRunner:
         if key in self.checked or not self._checks(graphed):
             return fast()
         return self._first(key, fast, eager)
+
+    def key(self, n: int, t: int, kv_len: int, full: bool) -> tuple[int, int, int, bool]:
+        """The captured step that serves a step of n rows x t tokens attending over kv_len slots (`full`: logits at
+        every position, else each row's last): (rows, width, window, full), each padded to its bucket."""
+        return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), self.max_graph_width),
+                min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len), full)
+
+    def capture(self, keys: list[tuple[int, int, int, bool]], deadline: float) -> int:
+        """Run now each step of `keys` ((rows, width, window, full), in order) that has not run on the fast path,
+        over junk inputs, until `time.perf_counter()` passes `deadline`: captured on a GPU and checked against
+        eager (`step`), so that the rounds meet it ready. Its rows [0, rows) write slots 0 .. width - 1 of their
+        cache rows (table rows a paged cache's rows do not own point at its scratch block): call it before rows
+        join. Returns how many ran."""
+        ran = 0
+        for rows, width, kv, full in keys:
+            if self.graphs is None or time.perf_counter() >= deadline:
+                break
+            if (rows, width, kv, full) in self.graphs.graphs or (rows, width, kv, full) in self.eager:
+                continue
+            tokens = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
+            positions = torch.arange(width, device=self.device).expand(rows, width)
+            self.step(tokens, positions, kv, None if full else torch.zeros(rows, dtype=torch.int64, device=self.device))
+            ran += 1
+        return ran
 
     def step_joined(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                     join: Join) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,80 @@
+"""Steps captured before a job's rows join: none met first inside the job, tokens unchanged (issue 55, part 3).
+
+On a CPU `step_graphs=True` runs the same padded static steps eagerly, keyed as a GPU's captured graphs are, so
+the keys a job meets can be counted here."""
+
+import itertools
+
+import pytest
+import torch
+
+from engine_models import flat_profile, noisy_copy, pair, tiny_llama
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.exec.graphs import width_buckets
+
+
+def shapes(eng) -> set[tuple]:
+    """The step shapes every runner of the engine has run on its fast path (on a GPU: captured)."""
+    return {(name, key) for name, r in eng._runners.items() for key in [*r.graphs.graphs, *r.eager]}
+
+
+def job(method: str, draft_length: str, kv_cache: str, budget: float):
+    """A job of 11 prompts of 3-70 tokens through a batch of 5 (row buckets 1, 2, 4, 5), 40 new tokens each (a
+    few rows stop at 17), greedy: the engine, its results, the shapes after its start-up capture and at its end."""
+    target = tiny_llama(seed=4)
+    draft = noisy_copy(target, 0.05) if method == "draft_model" else None
+    ticks = itertools.count()
+    eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=40),
+                     SpecConfig(method=method, draft_length=draft_length, num_draft_tokens=3, max_draft_tokens=5),
+                     batch_size=5, step_graphs=True, profile=flat_profile(), clock=lambda: float(next(ticks)),
+                     kv_cache=kv_cache, capture_budget=budget)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(3, 71, (11,), generator=g)]
+    params = [SamplingParams(max_new_tokens=17 if i % 4 == 0 else 40) for i in range(len(prompts))]
+    at_start, capture = [], eng.capture_steps
+
+    def counted(*args):
+        capture(*args)
+        at_start.append(shapes(eng))
+
+    eng.capture_steps = counted
+    out = eng.generate(prompts, params=params)
+    return eng, out, at_start[0], shapes(eng)
+
+
+@pytest.mark.parametrize("method,draft_length,kv_cache", [
+    ("none", "fixed", "dense"), ("draft_model", "fixed", "dense"), ("draft_model", "goodput", "dense"),
+    ("draft_model", "goodput", "paged"), ("prompt_lookup", "heuristic", "dense"),
+])
+def test_a_job_meets_no_step_it_did_not_capture_before_its_rows_joined(method, draft_length, kv_cache):
+    eng, out, before, after = job(method, draft_length, kv_cache, budget=60.0)
+    assert after == before, f"met inside the job: {sorted(after - before)}"
+    _, plain, none_before, none_after = job(method, draft_length, kv_cache, budget=0.0)
+    assert not none_before and none_after, "without a budget nothing is captured first, and the job meets its steps"
+    assert none_after <= before  # the capture plan holds every step the job meets
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]  # capturing first changes no token
+    widths = {key[1] for _, key in before}
+    assert widths <= set(width_buckets(6)), "steps are padded to the width buckets"
+    if method == "draft_model":
+        assert sum(r.drafted_tokens for r in out) > 0
+        assert {"target", "draft"} == {name for name, _ in before}
+
+
+def test_steps_padded_to_a_width_bucket_give_the_unpadded_steps_tokens():
+    """A fixed k=2 round verifies 3 tokens per row through a step 4 wide (junk past each row's draft): the same
+    tokens, rounds and acceptance as the eager steps, which pad nothing."""
+    target = tiny_llama(seed=4)
+    draft = noisy_copy(target, 0.05)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (6,), generator=g)]
+    runs = []
+    for graphs in (True, False):
+        eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=30),
+                         SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=2),
+                         batch_size=3, step_graphs=graphs)
+        runs.append([(r.token_ids, r.rounds, r.accepted_tokens) for r in eng.generate(prompts)])
+        if graphs:
+            widths = {key[1] for key in eng.runner("target").graphs.graphs}
+            assert 4 in widths and 3 not in widths  # max_draft_tokens 8: steps up to 9 wide, buckets 1, 2, 4, 8, 9
+    assert runs[0] == runs[1]

@@ -114,13 +114,14 @@ def run(eng: SpecEngine, prompts: list[list[int]], split: bool) -> dict:
     eng.measure_costs()
     tested = [eng.generate(prompts)]
     sync()
+    captured = eng.capture_s  # the first job's steps, captured before its rows joined
     t = time.perf_counter()
     res = eng.generate(prompts)
     sync()
     wall = time.perf_counter() - t
     tested.append(res)
     out = {"tok_s": sum(r.generated_tokens for r in res) / wall, "tokens": [r.token_ids for r in res],
-           "per_call": sum(r.generated_tokens for r in res) / max(1, sum(r.rounds for r in res))}
+           "per_call": sum(r.generated_tokens for r in res) / max(1, sum(r.rounds for r in res)), "capture_s": captured}
     if split:
         with StepClock() as clock:
             t = time.perf_counter()
@@ -163,8 +164,10 @@ def main():
     ks = [int(k) for k in args.ks.split(",")]
     g = torch.Generator().manual_seed(1)
     print(f"# shape pair {names[0]} + {names[-1]}, random weights, {dtype}, {device}; alpha {args.alpha}; "
-          f"{args.prompt_len}-token prompts, {args.max_new} new tokens; ms per round: draft / target / rest")
-    print(f"{'batch':>5s} {'run':14s} {'tok/s':>9s} {'vs AR':>6s} {'tok/call':>8s} {'ms per round':>22s}")
+          f"{args.prompt_len}-token prompts, {args.max_new} new tokens; ms per round: draft / target / rest; "
+          f"capture s: the first job's steps captured before its rows joined")
+    print(f"{'batch':>5s} {'run':14s} {'tok/s':>9s} {'vs AR':>6s} {'tok/call':>8s} {'ms per round':>22s} "
+          f"{'capture s':>9s}")
     results = {}
     for batch in [int(b) for b in args.batches.split(",")]:
         if args.deadline is not None and time.perf_counter() - start > args.deadline:
@@ -178,7 +181,7 @@ def main():
         def show(name: str, r: dict, ar_tok_s: float) -> None:
             split = " / ".join(f"{s:.2f}" for s in r["split_ms"]) if "split_ms" in r else "-"
             print(f"{batch:5d} {name:14s} {r['tok_s']:9.1f} {r['tok_s'] / ar_tok_s:6.2f} {r['per_call']:8.2f} "
-                  f"{split:>22s}", flush=True)
+                  f"{split:>22s} {r['capture_s']:9.1f}", flush=True)
 
         ar = run(engine(SpecConfig(method="none")), prompts, not args.no_split)
         show("autoregressive", ar, ar["tok_s"])

@@ -72,8 +72,9 @@ class SpecEngine:
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
     before; bench/host_work.py compares). `capture_budget`: seconds a job may spend, before its rows join,
-    capturing the steps it can meet (`capture_steps`; those left are captured when first met). `step_fault`: a test's hook that fails the first fast
-    step of a shape (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
+    capturing the steps it can meet (`capture_steps`; those left are captured when first met). `step_fault`: a
+    test's hook that fails the first fast step of a shape (specdec/exec/runner.py `ModelRunner`;
+    workers/faults.py)."""
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,

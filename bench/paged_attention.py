@@ -117,7 +117,7 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device):
     def causal(b, h, qi, ki):
         return ki <= lens_t[b] - t + qi
 
-    logical = create_block_mask(causal, n, None, t, max_len, device=device, BLOCK_SIZE=(t, page) if t < 128 else page)
+    logical = create_block_mask(causal, n, None, t, max_len, device=device, BLOCK_SIZE=(128, page))
     physical = paged.convert_logical_block_mask(logical)  # its mask_mod reads the page tables too
     torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
     run = torch.compile(flex_attention, dynamic=False)

@@ -337,11 +337,12 @@ class SpecEngine:
             stores.attach({name: r.cache for name, r in self._runners.items()}, {"target": proposer.prompt_top_ids})
         return batch
 
-    def capture_steps(self, rows: int, shortest: int, longest: int) -> None:
+    def capture_steps(self, rows: int, shortest: int, longest: int, policy: LengthPolicy | None = None) -> None:
         """Capture now, before any row joins, the steps a batch of up to `rows` rows whose rows hold from `shortest`
-        to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`) at every row, width and window
-        bucket; the whole batch's first, narrow windows first, for up to `capture_budget` seconds (a step left out
-        is captured when first met, inside the job). Nothing where no steps are captured (a CPU by default)."""
+        to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`; as wide as `policy` drafts,
+        and the verify widths explored beyond) at every row, width and window bucket; the whole batch's first,
+        narrow windows first, for up to `capture_budget` seconds (a step left out is captured when first met, inside
+        the job). Nothing where no steps are captured (a CPU by default)."""
         t0 = time.perf_counter()
         runners = {name: r for name, r in self._runners.items() if getattr(r, "graphs", None) is not None}
         if not runners:
@@ -351,7 +352,10 @@ class SpecEngine:
         lo, hi = some.key(1, 1, shortest, True)[2], some.key(1, 1, longest, True)[2]
         windows = [kv for kv in memory.kv_buckets(some.cache.max_len, some.min_kv_bucket) if lo <= kv <= hi]
         deadline = t0 + self.capture_budget
-        kinds = {name: memory.step_kinds(name, runner.max_graph_width) for name, runner in runners.items()}
+        most = policy.most_drafted() if policy is not None else None
+        if most is not None:  # a round verifies k + 1 tokens, or a width up to `pad` wider (VerifyWidths)
+            most += 1 + (self.context.widths.tuning.pad if self.context.widths is not None else 0)
+        kinds = {name: memory.step_kinds(name, runner.max_graph_width, most) for name, runner in runners.items()}
         for r in buckets:
             for kv in windows:
                 for name, runner in runners.items():
@@ -434,7 +438,7 @@ class SpecEngine:
                     self.prefix.limit(plan.left(need))
             batch = self.new_batch(want, max(slots), policy, blocks,
                                    formats=any(requests[i].sp.grammar is not None for i in todo))
-            self.capture_steps(want, min(len(requests[i].prompt) for i in todo), max(slots))
+            self.capture_steps(want, min(len(requests[i].prompt) for i in todo), max(slots), policy)
             Rounds(self.context, batch, policy, requests, results, on_round).run(deque(todo))
         return results  # type: ignore[return-value]
 

@@ -19,14 +19,15 @@ def shapes(eng) -> set[tuple]:
     return {(name, key) for name, r in eng._runners.items() for key in [*r.graphs.graphs, *r.eager]}
 
 
-def job(method: str, draft_length: str, kv_cache: str, budget: float):
+def job(method: str, draft_length: str, kv_cache: str, budget: float, **spec):
     """A job of 11 prompts of 3-70 tokens through a batch of 5 (row buckets 1, 2, 4, 5), 40 new tokens each (a
     few rows stop at 17), greedy: the engine, its results, the shapes after its start-up capture and at its end."""
     target = tiny_llama(seed=4)
     draft = noisy_copy(target, 0.05) if method == "draft_model" else None
     ticks = itertools.count()
     eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=40),
-                     SpecConfig(method=method, draft_length=draft_length, num_draft_tokens=3, max_draft_tokens=5),
+                     SpecConfig(method=method, draft_length=draft_length,
+                                **({"num_draft_tokens": 3, "max_draft_tokens": 5} | spec)),
                      batch_size=5, step_graphs=True, profile=flat_profile(), clock=lambda: float(next(ticks)),
                      kv_cache=kv_cache, capture_budget=budget)
     g = torch.Generator().manual_seed(3)
@@ -59,6 +60,18 @@ def test_a_job_meets_no_step_it_did_not_capture_before_its_rows_joined(method, d
     if method == "draft_model":
         assert sum(r.drafted_tokens for r in out) > 0
         assert {"target", "draft"} == {name for name, _ in before}
+
+
+def test_a_fixed_length_captures_only_the_widths_it_drafts():
+    """Fixed k=2 under max_draft_tokens 16 without verify padding: the target's steps 1, 2 and 4 wide (k + 1 = 3
+    pads to 4), the draft's one-token steps and catch-ups up to 4 wide; not the 8-, 16- and 17-wide ones a policy
+    drafting up to 16 could take. The job still meets no other."""
+    _, _, before, after = job("draft_model", "fixed", "dense", 60.0, num_draft_tokens=2, max_draft_tokens=16,
+                              verify_padding=False)
+    assert after == before
+    assert {key[1] for name, key in before if name == "target"} == {1, 2, 4}
+    assert {(key[1], key[3]) for name, key in before if name == "draft"} == {(1, True), (1, False), (2, False),
+                                                                           (4, False)}
 
 
 def test_steps_padded_to_a_width_bucket_give_the_unpadded_steps_tokens():

@@ -148,13 +148,15 @@ class Role:
         return step_kinds(self.name, width)
 
 
-def step_kinds(name: str, width: int) -> list[tuple[int, bool]]:
+def step_kinds(name: str, width: int, most: int | None = None) -> list[tuple[int, bool]]:
     """(width, last) of the captured steps a round of model `name` takes, widths padded to their buckets
-    (`width_buckets`): the target verifies every position of up to `width` tokens; the draft feeds one token
-    (every position) and catches up up to `width` tokens (the last)."""
+    (`width_buckets`; `most`: of steps up to `most` tokens wide only): the target verifies every position of up to
+    `width` tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
+    widths = width_buckets(width) if most is None else sorted({min(pow2_at_least(w), width)
+                                                              for w in range(1, min(most, width) + 1)})
     if name == "target":
-        return [(w, False) for w in width_buckets(width)]
-    return [(1, False)] + [(w, True) for w in width_buckets(width)]
+        return [(w, False) for w in widths]
+    return [(1, False)] + [(w, True) for w in widths]
 
 
 @dataclass

@@ -98,6 +98,10 @@ class LengthPolicy:
     def drafts_soon(self, view: BatchView) -> bool:
         return True
 
+    def most_drafted(self) -> int | None:
+        """The most tokens a row drafts in a round under this policy (None: up to the method's `max_draft`)."""
+        return None
+
     def widens_soon(self, view: BatchView) -> bool:
         """Will the next round draft token trees with siblings? (if not, rows joining now skip alignment
         sampling's top ids: the output head over their whole prompts)"""

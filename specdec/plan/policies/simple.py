@@ -17,6 +17,9 @@ class NoDrafts(LengthPolicy):
     def drafts_soon(self, view: BatchView) -> bool:
         return False
 
+    def most_drafted(self) -> int:
+        return 0
+
 
 class FixedLength(LengthPolicy):
     """`num_draft_tokens` every round."""
@@ -26,6 +29,9 @@ class FixedLength(LengthPolicy):
 
     def drafts_soon(self, view: BatchView) -> bool:
         return self.spec.num_draft_tokens > 0
+
+    def most_drafted(self) -> int:
+        return self.spec.num_draft_tokens
 
 
 class HeuristicLength(LengthPolicy):

@@ -102,7 +102,10 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
 
 
 def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device):
-    """FlexAttention of `q` over the rows' pages, compiled (a callable)."""
+    """FlexAttention of `q` over the rows' pages, compiled (a callable). The block mask's query blocks are 128
+    tokens (one partial block per row): inductor's CUDA kernels take only configs whose BLOCK_M (16 and up) divides
+    the query block size, so a block of 1 or 3 queries left them none ("NoValidChoicesError: No choices to select",
+    the H200, 2026-11-27); its CPU kernel has no such rule."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -72,16 +72,18 @@ class SpecEngine:
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
     before; bench/host_work.py compares). `capture_budget`: seconds a job may spend, before its rows join,
-    capturing the steps it can meet (`capture_steps`; those left are captured when first met). `step_fault`: a
-    test's hook that fails the first fast step of a shape (specdec/exec/runner.py `ModelRunner`;
-    workers/faults.py)."""
+    capturing the steps it can meet (`capture_steps`; those left are captured when first met; None:
+    `CAPTURE_BUDGET`). `step_fault`: a test's hook that fails the first fast step of a shape
+    (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
+
+    CAPTURE_BUDGET = 20.0  # seconds a job captures steps before its rows join, by default (`capture_budget`)
 
     def __init__(self, pair: ModelPair, sampling_params: SamplingParams, spec: SpecConfig, batch_size: int = 16,
                  fast_path: bool = True, gpu_memory_fraction: float = 0.9, step_graphs: bool | None = None,
                  profile: Profile | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
                  kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
-                 profile_cache: str | None = None, capture_budget: float = 20.0,
+                 profile_cache: str | None = None, capture_budget: float | None = None,
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -134,7 +136,7 @@ class SpecEngine:
         self.profile_s = 0.0  # seconds spent measuring it (or reading it from `profile_cache`)
         self.profile_cache = profile_cache
         self.profile_kept = False  # the profile came from `profile_cache`, kept by an earlier engine
-        self.capture_budget = capture_budget
+        self.capture_budget = self.CAPTURE_BUDGET if capture_budget is None else capture_budget
         self.capture_s = 0.0  # seconds the last job spent capturing steps before its rows joined
 
     @torch.inference_mode()

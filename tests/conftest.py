@@ -46,6 +46,17 @@ def make_model(folder: str, vocab: int, layers: int, seed: int, eos: int):
     LlamaForCausalLM(cfg).save_pretrained(folder)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def short_captures():
+    """On a GPU a test's engine runs a few short jobs: capturing every step each could meet before its rows join
+    would cost more than the steps it meets, so captures get 2 s a job (test_capture.py gives its own budgets)."""
+    if os.environ.get("SPECBATCH_TEST_DEVICE", "cpu") == "cuda":
+        from specdec.engine import SpecEngine
+
+        SpecEngine.CAPTURE_BUDGET = 2.0
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """{'target': dir, 'draft': dir}: HF folders with a shared word-level tokenizer."""

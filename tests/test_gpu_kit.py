@@ -136,7 +136,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     for name in ("test_fastpath", "test_engine", "test_sampling", "test_noise", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
-    assert "files: tests/test_noise.py tests/test_overlap.py" in (out["first"] / "test_noise.txt").read_text()
+    assert "files: tests/test_noise.py tests/test_overlap.py tests/test_capture.py" in (out["first"] / "test_noise.txt").read_text()
     paged = (out["second"] / "paged_attention.txt").read_text()  # dense, gather and flex each ran and agreed
     assert re.search(r"^tiny\s+2\s+200\s+1\s+\d+\s+\d+\.\d+(\s+\d+\.\d+\s+\d+\.\d+x){2}$", paged, re.M), paged
     table = (out["third"] / "policies.txt").read_text()

@@ -21,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
-TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py+tests/test_overlap.py tests/test_memory.py"
+TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py+tests/test_overlap.py+tests/test_capture.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}

@@ -9,8 +9,8 @@ run, in turn. The engine's round = (generate's wall time - its prefills) / round
 the runners' `step` (the target's verification, and the draft's steps at k > 0); its scans, the time inside
 `verify.scan` (the argmax and non-finite check over every verified or drafted position's logits: tensor work the
 size of the vocabulary, which a GPU does in microseconds and one CPU thread in milliseconds); host work = round -
-forwards - scans: the round's Python, its small tensors and its one read-back; the autoregressive round again with
-rounds that wait for each other (`overlap=False`: on a CPU overlap gives nothing, and must cost nothing).
+forwards - scans: the round's Python, its small tensors and its one read-back; each setting again with rounds
+that wait for each other (`overlap=False`: on a CPU overlap gives nothing, and must cost nothing).
 transformers: one decode step of `model(...)` with its cache, timed alone, and `generate`'s time per new token.
 Medians over the repeats, in ms.
 """
@@ -125,13 +125,13 @@ def main():
     timer = Timer()
     timer.wrap()
     ks = [int(k) for k in args.ks.split(",")]
-    runs: dict[str, list[tuple[float, ...]]] = {f"k={k}": [] for k in ks}
-    runs["serial"], runs["hf"] = [], []
+    runs: dict[str, list[tuple[float, ...]]] = {f"{kind}={k}": [] for k in ks for kind in ("k", "serial")}
+    runs["hf"] = []
     hf_step(target, prompts, 4)  # warm
     for _ in range(args.repeats):
         for k in ks:
             runs[f"k={k}"].append(engine_round(target, draft, k, prompts, args.max_new, timer))
-        runs["serial"].append(engine_round(target, draft, 0, prompts, args.max_new, timer, overlap=False))
+            runs[f"serial={k}"].append(engine_round(target, draft, k, prompts, args.max_new, timer, overlap=False))
         runs["hf"].append(hf_step(target, prompts, args.max_new))
     med = {name: tuple(statistics.median(r[i] for r in rs) for i in range(len(rs[0]))) for name, rs in runs.items()}
     hf_forward, hf_generate = med["hf"]
@@ -141,12 +141,12 @@ def main():
     print(f"transformers: forward alone {hf_forward:.2f}, generate per step {hf_generate:.2f}")
     print("engine                         | round | models' steps | scans | host work | host work / transformers' "
           "forward | round / transformers' forward")
-    for key in [f"k={k}" for k in ks] + ["serial"]:
+    for key in [f"{kind}={k}" for k in ks for kind in ("k", "serial")]:
         round_ms, steps_ms, scan_ms = med[key]
         host = round_ms - steps_ms - scan_ms
-        k = 0 if key == "serial" else int(key[2:])
+        k = int(key.split("=")[1])
         name = "autoregressive" if k == 0 else f"draft model, fixed k={k}"
-        print(f"{name + (', rounds not overlapped' if key == 'serial' else ''):30s} | {round_ms:5.2f} | "
+        print(f"{name + (', rounds not overlapped' if key.startswith('serial') else ''):30s} | {round_ms:5.2f} | "
               f"{steps_ms:13.2f} | {scan_ms:5.2f} | {host:9.2f} | {host / hf_forward:.2f} | "
               f"{round_ms / hf_forward:.2f}")
 

@@ -1,5 +1,5 @@
-"""Rounds that overlap (specdec/sched/rounds.py): a plain round is queued on the device before the host reads the
-one before it back, counted with the read-back's own hook (`Staging.trace`: when a round's device work is queued,
+"""Rounds that overlap (specdec/sched/rounds.py): a round is queued on the device before the host reads the one
+before it back, counted with the read-back's own hook (`Staging.trace`: when a round's device work is queued,
 and when the host blocks on its results), not with a timer; and every token, statistic and finish reason is what
 rounds that wait for each other give."""
 
@@ -49,6 +49,26 @@ def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, refere
     assert ahead(events) == (0, MAX_NEW)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prompts, reference, k):
+    """Four rows drafting k tokens a round with a draft model, 64 new tokens each: the next round (its draft's
+    catch-up and its verification built on the device from this round's outputs) is queued before the host reads
+    this one back, but in the last rounds, where some row's draft could reach max_new_tokens (it is at most 2 (k + 1)
+    tokens from it: then the host waits; four rows, at most as many rounds each); tokens, rounds and acceptance are those of rounds that wait for each other, and
+    the first 24 tokens transformers' greedy ones."""
+    runs = {}
+    for overlap in (True, False):
+        eng, events = traced(target, drafts["noisy"], overlap, method="draft_model", draft_length="fixed",
+                             num_draft_tokens=k, max_new=64)
+        out = eng.generate(prompts[:4])
+        assert [r.token_ids[:MAX_NEW] for r in out] == reference[:4]
+        runs[overlap] = results(out), *ahead(events)
+    assert runs[True][0] == runs[False][0]
+    followed, rounds = runs[True][1:]
+    assert runs[False][1] == 0 and rounds == runs[False][2]
+    assert followed >= rounds - 4 * 2 * (k + 1) - 1 and followed > rounds // 2, (followed, rounds)
+
+
 @pytest.mark.parametrize("method, spec, kv_cache", [
     ("none", {}, "dense"),
     ("none", {}, "paged"),
@@ -60,7 +80,8 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
     """Eight prompts through a batch of 3 (dense rows, or a paged pool whose rows reserve only their own blocks: a
     rider writes within them) with stop tokens that end rows at rounds the host cannot foresee (they
     ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason,
-    rounds and acceptance are those of rounds that wait for each other. Rounds that draft are never queued ahead."""
+    rounds and acceptance are those of rounds that wait for each other. Rounds are queued ahead, drafting or not,
+    but by prompt lookup (it drafts from the tokens the host reads back)."""
     stop = (23, 58)
     for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
                                                                       seed=5)):
@@ -73,9 +94,9 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
         assert runs[True][0] == runs[False][0]
         assert any(r[1] == "stop" for r in runs[True][0]) and any(r[1] == "length" for r in runs[True][0])
         assert runs[False][1] == 0
-        drafting = method != "none" and spec.get("num_draft_tokens") != 0
-        assert (runs[True][1] == 0) == drafting
-        assert (runs[True][2] > runs[False][2]) == (not drafting)  # rounds that stopped rows rode
+        goes_ahead = method != "prompt_lookup"
+        assert (runs[True][1] > 0) == goes_ahead
+        assert runs[True][2] >= runs[False][2]  # rounds that stopped rows rode
 
 
 def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):

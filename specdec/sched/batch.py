@@ -81,6 +81,7 @@ class Batch:
             self.sp.set(slot, row.sp)
         self.seq[start:end, :t] = self.to_device(tokens)
         self.lens[start:end] = self.slots.prompt_lens[start:end] = [len(r.tokens) for r in rows]
+        self.slots.lens_dev[start:end] = self.to_device(self.lens[start:end])
         self.n = end
 
     def row_slots(self, prompt: int, max_new: int) -> int:
@@ -118,6 +119,7 @@ class Batch:
         self.seq[at[0], at[1]] = at[2]
         for slot, t in tokens.items():
             self.lens[slot] += len(t)
+        self.slots.lens_dev.index_add_(0, at[0], torch.ones_like(at[0]))
 
     def target_inputs(self, n: int, draft: Draft, width: int, joining: PrefillPlan | None = None) -> TargetInputs:
         """The target's inputs for verifying `draft` over rows [0, n): a chain padded to `width` >= k + 1 tokens
@@ -128,7 +130,7 @@ class Batch:
             self.prefill.finish(joining)  # a tree's forward reads the joining rows as others
             joining = None
         lens = self.lens[:n].copy()
-        base = self.to_device(lens) - 1
+        base = self.slots.lens_dev[:n] - 1  # the device's: a round in flight may have grown them
         if joining is not None:  # the rows before the joining ones verify as a chain; those, beside them
             j = joining.start
             inputs = self._chain(lens[:j], base[:j], self.cached[:j], draft.tokens[:j], width)
@@ -136,7 +138,7 @@ class Batch:
         if draft.tree is None:
             return self._chain(lens, base, self.cached[:n], draft.tokens, width)
         lag, tokens = self._unread(lens, base, self.cached[:n], draft.tokens)
-        kv_len = int(lens.max()) - 1 + width
+        kv_len = int(lens.max()) - 1 + width + self.slots.in_flight
         t = draft.tree
         positions, slots, mask = trees.tree_inputs(t.parent, t.depth, base, kv_len, t.max_depth, lag - 1)
         return TargetInputs(tokens, positions, kv_len, lag, lens, base, slots, mask)
@@ -147,7 +149,7 @@ class Batch:
         rows with the most not cached yet lack."""
         lag, tokens = self._unread(lens, base, cached, draft)
         positions = (base[:, None] + torch.arange(1 - lag, width, device=self.device)[None, :]).clamp(min=0)
-        kv_len = int(lens.max(initial=1)) - 1 + width
+        kv_len = int(lens.max(initial=1)) - 1 + width + self.slots.in_flight  # past every row's, in flight or not
         return TargetInputs(torch.nn.functional.pad(tokens, (0, width - draft.shape[1] - 1)), positions, kv_len, lag,
                             lens, base)
 
@@ -186,10 +188,12 @@ class Batch:
         new.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
         write = (base[:, None] + 1 + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=self.max_len - 1)
         self.seq[:n].scatter_(1, write, new)
+        self.slots.lens_dev[:n] += verdict.accepted + 1
         return new
 
     def grow(self, n: int, lens: np.ndarray, accepted: np.ndarray) -> None:
-        """Rows [0, n), `lens` long before the round, accepted `accepted` drafted tokens and one more (host)."""
+        """Rows [0, n), `lens` long before the round, accepted `accepted` drafted tokens and one more (the host's
+        count, once the round is read back; the device's advanced in `accept`)."""
         self.lens[:n] = lens + accepted + 1
         self.cached[:n] = self.lens[:n] - 1
 
@@ -197,6 +201,7 @@ class Batch:
         """Rows [0, n) cut back to `length` tokens (synthetic rows, start-up profile): their caches forget what
         lies past it."""
         self.lens[:n] = length
+        self.slots.lens_dev[:n] = length
         self.cached[:n] = length - 1
         self.proposer.rewind(n)
 

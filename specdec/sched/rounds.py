@@ -8,11 +8,12 @@ target's cache):
   verdict = rule(logits, draft)               accepted a, and the recovered / bonus token y
   emit x_1..x_a, y; cut at a stop token, a stop string or max_new_tokens; finished rows leave
 A round is queued on the device whole (`launch`), its results copied back behind it without the host waiting
-(`Readback`, `Staging`), and handled on the host when they land (`land`): one read-back per round. Everything the
-host needs to queue a round (lengths, K) it already knows; after a round in which no row drafted it knows every
-row's length too (one more), so the next plain round is queued before the host reads that one back: the host's work
-overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads (the rule,
-verify widths, the clock, stop sets, output formats, the draft limit) is a `RoundContext` the engine builds once.
+(`Readback`, `Staging`), and handled on the host when they land (`land`): one read-back per round. The rows' lengths
+and the draft cache's live on the device too, advanced there by each round's acceptance, so the next round is queued
+before the host reads the one before it back (the host bounds the shapes it needs: `Slots.in_flight`): the host's
+work overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads
+(the rule, verify widths, the clock, stop sets, output formats, the draft limit) is a `RoundContext` the engine
+builds once.
 Rows with an output format (specdec/spec/grammar.py) are verified under its masks, and then take the tokens it
 allows alone (jump-forward): the target reads those in the next round's forward, which then starts up to `lag`
 tokens before each row's pending token. While rows decode, rows join within one `prefill_chunk` of prompt tokens,
@@ -115,11 +116,12 @@ class Verifying:
     """A verification queued on the device whose results the host has not read yet (`Rounds.landed`)."""
 
     n: int
-    lens: np.ndarray  # [n] host: the rows' lengths before it
     width: int
     flight: Flight  # where its results land
     layout: list  # the read-back's (`Readback.unpack`)
-    grown: bool  # no row drafted: each grew by one token, which the host counted at once (else: when read back)
+    growth: int  # the most tokens a row gains in it (the draft's depth, and one)
+    forwards: int  # the draft's forwards (0: no row drafted)
+    chain: bool  # chains (or nothing) were verified, not a token tree
     host_s: float  # host seconds it took to queue
     timed: bool  # its time is a sample of its width's cost (no rows joined in its forward)
 
@@ -152,11 +154,11 @@ class Rounds:
         self.staging = context.staging or Staging(batch.device)
 
     def run(self, queue: deque) -> None:
-        """Rounds until the queue is empty and every row has finished. A round of plain decoding (no row drafts)
-        is queued on the device before the host reads back the plain round before it (`may_go_ahead`): the host's work
-        on round r overlaps the device's on round r + 1. Rows leave and join only while no round is in flight:
-        a row that finished in a round another already follows rides that one (its tokens dropped) and leaves
-        after it."""
+        """Rounds until the queue is empty and every row has finished. The next round is queued on the device before
+        the host reads back the one before it where it can be (`may_go_ahead`, `may_draft_ahead`): the host's work on
+        round r overlaps the device's on round r + 1, whose inputs (lengths, the draft's catch-up) the device builds
+        from round r's outputs. Rows leave and join only while no round is in flight: a row that finished in a round
+        another already follows rides that one (its tokens dropped) and leaves after it."""
         b, flight = self.batch, None
         while queue or b.n:
             joining = None  # rows whose prefill ends in the next round's forward
@@ -170,28 +172,49 @@ class Rounds:
                 flight = None
                 continue
             limits = self.limits(b.n)
-            if flight is not None and limits.any():  # the policy drafts after all (its plan knew round r - 1)
-                self.land(flight)
+            if flight is not None and limits.any() and not self.may_draft_ahead(flight, limits):
+                self.land(flight)  # the policy drafts after all (its plan knew round r - 1)
                 flight = None
                 if self.changes(queue):
                     continue
                 limits = np.minimum(limits, self.draft_room(b.n))
-            launched = self.launch(limits, joining)
+            v = flight.verifying if flight is not None else None
+            b.slots.in_flight, b.slots.in_flight_drafted = (v.growth, v.forwards > 0) if v else (0, False)
+            try:
+                launched = self.launch(limits, joining)
+            finally:
+                b.slots.in_flight, b.slots.in_flight_drafted = 0, False
             if flight is not None:
                 self.land(flight)
             flight = launched
 
     def may_go_ahead(self, flight: Launched, queue: deque) -> bool:
-        """Whether the next round may be queued before `flight` is read back: `flight` grew every row by one
-        token (so the host knows every length), no row reaches max_new_tokens in it (it leaves after it: no round
-        is queued for it to ride), the next round draws no output format's mask and, by the policy's leaning,
-        drafts nothing, and no row is to leave or join first."""
-        b, n = self.batch, self.batch.n
-        if not (self.context.overlap and flight.verifying.grown and b.constraints is None):
+        """Whether the next round may be queued before `flight` is read back: the rows' lengths and the draft's
+        cache are on the device (`Slots.lens_dev`), so what the host lacks is each row's exact length, and bounds do
+        for shapes: `flight` verified chains, no row can reach max_new_tokens in it (it leaves after it: no round
+        is queued for it to ride), no output format masks the next round, randomness does not follow positions
+        (coupled noise), a round after a drafting one drafts (if at all) with a drafter that can go ahead, and no
+        row is to leave or join first."""
+        b, n, v = self.batch, self.batch.n, flight.verifying
+        if not (self.context.overlap and v.chain and b.constraints is None and not self.context.rule.coupled):
             return False
-        if (b.lens[:n] - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any():
+        if (b.lens[:n] + v.growth - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any():
             return False
-        return not (self.max_draft and self.policy.drafts_soon(self.view(n))) and not self.changes(queue)
+        ahead = b.proposer.drafts_ahead(n)
+        if v.forwards and not ahead:  # the proposer drafts from tokens the host has not read yet
+            return False
+        if self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)):
+            return False  # a plan made now would miss what the round in flight tells it
+        return not self.changes(queue)
+
+    def may_draft_ahead(self, flight: Launched, limits: np.ndarray) -> bool:
+        """Whether rows may draft `limits` tokens in a round queued before `flight` is read back: the drafter drafts
+        from the device's lengths, and no row's draft is cut by max_new_tokens (whatever `flight` accepted; the
+        host's count of a row's room is that of a round ago)."""
+        b, n, v = self.batch, self.batch.n, flight.verifying
+        if not b.proposer.drafts_ahead(n):
+            return False
+        return not (b.lens[:n] + v.growth + limits - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any()
 
     def changes(self, queue: deque) -> bool:
         """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""
@@ -405,25 +428,23 @@ class Rounds:
             best = None  # the masks change the argmax
         verdict = self.context.rule(logits, draft, rows, draws, best)
         tokens = b.accept(n, inputs, verdict, draft)
+        b.proposer.advance(n, inputs.base + 1, verdict.accepted, draft.forwards)
         logprobs = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
         packed, layout = Readback.pack(accepted=verdict.accepted, drafted=draft.lengths,
                                        target_non_finite=~finite.all(1), draft_non_finite=draft.non_finite,
                                        tokens=tokens, **logprobs)
         flight.send(packed)
-        grown = k == 0
-        if grown:  # plain decoding: every row accepted nothing and took one token
-            none = np.zeros(n, dtype=np.int64)
-            b.grow(n, inputs.lens, none)
-            b.proposer.commit(n, inputs.lens, none)
-        return Verifying(n, inputs.lens, width, flight, layout, grown, clock() - t0, joining is None)
+        return Verifying(n, width, flight, layout, draft.depth + 1, draft.forwards, draft.tree is None, clock() - t0,
+                         joining is None)
 
     def landed(self, v: Verifying) -> Readback:
-        """A queued verification's results, once the device has sent them: rows grow by what they accepted."""
+        """A queued verification's results, once the device has sent them: the host counts what rows accepted (rounds
+        land in the order they were queued: its lengths are those before this one)."""
         clock, t0 = self.context.clock, self.context.clock()
         out = Readback.unpack(v.flight.wait(), v.layout)
-        if not v.grown:
-            self.batch.grow(v.n, v.lens, out.accepted)
-            self.batch.proposer.commit(v.n, v.lens, out.accepted)
+        lens = self.batch.lens[: v.n].copy()
+        self.batch.grow(v.n, lens, out.accepted)
+        self.batch.proposer.commit(v.n, lens, out.accepted, v.forwards)
         if self.context.widths and v.timed:
             self.context.widths.observe(v.n, v.width, self.seconds(v.host_s + clock() - t0, v.flight, "verify"))
         return out

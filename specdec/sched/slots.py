@@ -2,8 +2,8 @@
 
 A batch's rows live in slots [0, capacity); the active ones are [0, n). What every part of the engine reads of a
 row lives here from the start: its tokens on the device (`seq`), its length (`lens`, host: the host knows it, so no
-forward reads it back), its tokens as a host list (`history`: prompt lookup and stop checks read it) and its
-prompt's length (`prompt_lens`). Whatever else belongs to a row (its sampling settings, its rows of each model's KV
+forward reads it back; `lens_dev`: the device's, ahead by a round in flight), its tokens as a host list (`history`:
+prompt lookup and stop checks read it) and its prompt's length (`prompt_lens`). Whatever else belongs to a row (its sampling settings, its rows of each model's KV
 cache, a proposer's n-gram pool, a policy's estimate of it, its output format's matcher) a part registers once
 (`add`, `add_host`, `add_objects`, `add_cache`). A finished row leaves by swap-remove (the last active row moves into
 its slot: `move`), a sample of a prompt already admitted starts as a copy of the row holding it (`copy`), and new
@@ -34,7 +34,11 @@ class Slots:
         self._objects: dict[str, tuple[list, Callable[[object, object], object]]] = {}  # name -> (objects, copy)
         self._caches: list[tuple[object, np.ndarray]] = []  # (a KV cache, each row's length in it)
         self.seq = self.add("tokens", trailing=(max_len,))  # [capacity, max_len] prompt + emitted
-        self.lens = self.add_host("seq_len")  # tokens per row (prompt + emitted)
+        self.lens = self.add_host("seq_len")  # tokens per row (prompt + emitted), as the host has counted them
+        # the same on the device, where each round's acceptance advances them at once: the host's lens plus what the
+        # round in flight added (`in_flight`: at most that many tokens a row; `in_flight_drafted`: it drafted)
+        self.lens_dev = self.add("seq_len_dev")
+        self.in_flight, self.in_flight_drafted = 0, False
         self.prompt_lens = self.add_host("prompt_len")  # of them, the prompt's
         # prompt + emitted on the host (a copy keeps its own list: samples of one prompt grow apart)
         self.history: list[list[int] | None] = self.add_objects("history", lambda src, dst: dst)

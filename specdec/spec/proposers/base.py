@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ..draft import Draft
 
@@ -40,9 +41,17 @@ class Proposer:
         most this proposer drafts; 0 for chains), or None where a draft is as deep as asked (a draft model)."""
         return None
 
-    def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
-        """Verification accepted `accepted` [n] of the drafted tokens of rows whose length was `old_len`
-        (host arrays, from the round's read-back)."""
+    def drafts_ahead(self, n: int) -> bool:
+        """Whether rows [0, n) can be drafted for while the round before is in flight (`Slots.in_flight`): from the
+        device's lengths alone, without that round's tokens on the host."""
+        return False
+
+    def advance(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor, forwards: int) -> None:
+        """On the device, as the round is queued: it accepted `accepted` [n] of the drafted tokens of rows whose
+        length was `old_len` [n], after `forwards` draft forwards."""
+
+    def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray, forwards: int) -> None:
+        """The same on the host, from the round's read-back (`old_len`, `accepted`: host arrays)."""
 
     def rewind(self, n: int) -> None:
         """Rows [0, n) were cut back to `slots.lens`: forget what lies past it (start-up profile)."""

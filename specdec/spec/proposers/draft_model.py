@@ -5,8 +5,10 @@ accepted draft token after a fully accepted round: 1 or 2 tokens, more after rou
 speculation, the whole row if it joined while the policy was not drafting), then drafts one token per
 forward. Rows whose policy stopped them keep riding along in the batch forward (their extra tokens
 are not proposed), so the whole batch stays one tensor. What the draft cache holds of each row is
-host state (`d_len`), updated from the round's read-back: drafting never waits on the device, unless
-the policy stops rows on the draft's outputs (its `stopper`). A stopper that reads the state after a
+host state (`d_len`), updated from the round's read-back, and device state (`d_len_dev`), advanced as
+the round is queued: drafting never waits on the device, unless the policy stops rows on the draft's
+outputs (its `stopper`), and a round can be drafted before the one before it is read back
+(`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A stopper that reads the state after a
 token was fed back (SpecDec++'s head) decides once that forward ran, and its logits give the row's
 next token for free: the row proposes it too, as SpecDec++'s reference does.
 """
@@ -52,7 +54,7 @@ class DraftModelProposer(Proposer):
         self.stopper = policy.stopper  # stops rows on the draft's outputs (None: every row drafts its limit)
         self.raw_q = raw_q  # keep the draft's raw distributions (fuzzy verification compares them)
         self.d_len = slots.add_host("draft_len")  # tokens of the row held in the draft cache
-        self.fed_len = slots.add_host("draft_fed")  # after propose(): what the cache will hold if all pass
+        self.d_len_dev = slots.add("draft_len_dev")  # the same on the device (ahead by a round in flight)
         slots.add_cache(self.runner.cache, self.d_len)
 
     def admit(self, start: int, end: int, target_top_ids=None, drafting: bool = True) -> None:
@@ -61,6 +63,10 @@ class DraftModelProposer(Proposer):
             self.d_len[start:end] = self.fill(start, end)
         else:  # no speculation for now: the first drafting round's catch-up feeds the whole row
             self.d_len[start:end] = 0
+        self._to_device(start, end)
+
+    def _to_device(self, start: int, end: int) -> None:
+        self.d_len_dev[start:end] = to_device(self.d_len[start:end], self.slots.device)
 
     def fill(self, start: int, end: int, have: np.ndarray | None = None) -> np.ndarray:
         """The draft caches all but the pending token of rows [start, end), after the `have` slots each holds
@@ -76,20 +82,31 @@ class DraftModelProposer(Proposer):
         than the batch's `prefill_chunk` go in chunks: both by a prefill of all but the last, then the last alone."""
         s, chunk = self.slots, self.prefill.chunk
         lens, d_len = s.lens[:n], self.d_len[:n]
-        stored = self.prefill.store is not None and not d_len.all()
-        if stored or (chunk and n * int((lens - d_len).max(initial=0)) > chunk):
+        if not s.in_flight and (self.needs_fill(n) or (chunk and n * int((lens - d_len).max(initial=0)) > chunk)):
             d_len[:] = self.fill(0, n, have=d_len)
-        behind = lens - d_len  # >= 1: at least the pending token
-        t0 = int(behind.max())
-        catch = to_device(np.stack([d_len, behind - 1]), s.device)  # one copy: [2, n]
-        idx = catch[0][:, None] + torch.arange(t0, device=s.device)[None, :]  # [n, t0]
+            self._to_device(0, n)
+        # what each row lacks (>= 1: at least the pending token), at most: a round in flight grew rows by up to
+        # `in_flight` tokens, and after a drafting round a row lacks its pending token and at most one more
+        t0 = 2 if s.in_flight_drafted else int((lens + s.in_flight - d_len).max())
+        have = self.d_len_dev[:n]
+        idx = have[:, None] + torch.arange(t0, device=s.device)[None, :]  # [n, t0]
         tokens_in = s.seq[:n].gather(1, idx.clamp(max=s.max_len - 1))
-        return self.runner.step(tokens_in, idx, int((d_len + t0).max()), last=catch[1])
+        kv_len = int(lens.max()) + s.in_flight + 1 if s.in_flight else int((d_len + t0).max())
+        return self.runner.step(tokens_in, idx, kv_len, last=s.lens_dev[:n] - have - 1)
+
+    def needs_fill(self, n: int) -> bool:
+        """Some row's draft cache is empty while the prefix store may hold its prompt: a prefill fills it."""
+        return self.prefill.store is not None and not self.d_len[:n].all()
+
+    def drafts_ahead(self, n: int) -> bool:
+        """No stopper reads the draft's outputs, no output format constrains it, and every row's draft cache
+        holds its prompt: the catch-up is a step of a few tokens over the device's lengths."""
+        return self.stopper is None and (self.constraints is None or not self.constraints.rows(n)) \
+            and bool(self.d_len[:n].all())
 
     def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
         s, stop, dev = self.slots, self.stopper, self.slots.device
         k_max = int(limits.max()) if n else 0
-        self.fed_len[:n] = self.d_len[:n]
         if k_max == 0:
             return Draft.empty(n, dev)
         logits, h = self.catch_up(n)
@@ -97,13 +114,12 @@ class DraftModelProposer(Proposer):
         noise, u = draws.noise, draws.draft
         choice = rows if noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
         lens = s.lens[:n]
-        self.fed_len[:n] = lens  # the catch-up fed up to the pending token
         limits_dev = to_device(limits, dev) if stop is not None or limits.min() != k_max else None
         active = limits_dev > 0 if stop is not None else None  # rows still drafting (tracked if rows stop early)
         lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stop is not None else None
         if stop is not None:
             stop.start(n)
-        seq_len = to_device(lens, dev) if k_max > 1 else None
+        seq_len = s.lens_dev[:n] if k_max > 1 else None  # the device's: a round in flight may have grown them
         grammar = self.constraints if self.constraints is not None and self.constraints.rows(n) else None
         tokens, qs, raws, drawn = [], [], [], []
         non_finite = torch.zeros(n, dtype=torch.bool, device=dev)  # the row fails
@@ -142,10 +158,10 @@ class DraftModelProposer(Proposer):
             elif step + 1 == k_max:
                 break
             # feed x back: it sits right after the pending token's run
-            logits, h = self.runner.step(x[:, None], (seq_len + step)[:, None], int(lens.max()) + step + 1)
+            logits, h = self.runner.step(x[:, None], (seq_len + step)[:, None],
+                                         int(lens.max()) + s.in_flight + step + 1)
             logits, h = logits[:, 0], h[:, 0]
             forwards += 1
-            self.fed_len[:n] = lens + step + 1
             if stop is not None and stop.after_feed:  # e.g. the acceptance head reads h after x was fed
                 keep = stop.keep(step, token_prob, h)
                 free = active & ~keep  # SpecDec++ keeps the token this forward draws for them: the next step's
@@ -161,13 +177,19 @@ class DraftModelProposer(Proposer):
         return Draft(torch.stack(tokens, dim=1), lengths, q_probs, forwards=forwards, non_finite=non_finite,
                      raw_q=raw_q, host_tokens=host)
 
-    def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray) -> None:
+    def advance(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor, forwards: int) -> None:
+        if forwards:  # the catch-up fed up to the pending token, each later forward one drafted token more
+            self.d_len_dev[:n] = torch.minimum(old_len + forwards - 1, old_len + accepted)
+
+    def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray, forwards: int) -> None:
         # the draft cache is right up to the last accepted draft token it was fed
-        self.d_len[:n] = np.minimum(self.fed_len[:n], old_len + accepted)
+        if forwards:
+            self.d_len[:n] = np.minimum(old_len + forwards - 1, old_len + accepted)
 
     def rewind(self, n: int) -> None:
         # the pending token is never in it
         self.d_len[:n] = np.minimum(self.d_len[:n], self.slots.lens[:n] - 1)
+        self._to_device(0, n)
 
 
 def _fit(noise: torch.Tensor, vocab: int) -> torch.Tensor:

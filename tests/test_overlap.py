@@ -6,7 +6,7 @@ rounds that wait for each other give."""
 from __future__ import annotations
 
 import pytest
-from engine_models import MAX_NEW, pair
+from engine_models import MAX_NEW, engine, pair
 
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
@@ -73,6 +73,7 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
     ("none", {}, "dense"),
     ("none", {}, "paged"),
     ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 3}, "dense"),
+    ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 3}, "paged"),
     ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 0}, "paged"),
     ("prompt_lookup", {"draft_length": "fixed", "num_draft_tokens": 2}, "dense"),
 ])
@@ -136,3 +137,16 @@ def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
             kept += [(r.tokens, r.result.token_ids, r.result.finish_reason, r.result.rounds, r.result.draft_forwards,
                       r.result.draft_lengths, r.result.accept_lengths) for r in batch.rows[:n]]
         assert got == want
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_the_default_policy_drafting_ahead_keeps_greedy_tokens(target, drafts, prompts, reference, kv_cache):
+    """The default policy (goodput; under costs where drafting pays) plans round r + 1 before round r is read back,
+    so its draft lengths may differ from rounds that wait; greedy tokens may not: transformers' own, rows joining
+    through a batch of 3. Rounds that draft are queued ahead."""
+    eng = engine(target, drafts["noisy"], bs=3, kv_cache=kv_cache)
+    events = []
+    eng.context.staging.trace = lambda event, r: events.append((event, r))
+    out = eng.generate(prompts)
+    assert [r.token_ids for r in out] == reference
+    assert sum(r.drafted_tokens for r in out) > 0 and ahead(events)[0] > 0

@@ -178,3 +178,20 @@ def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mix
     out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=48)] * len(prompts))
     same = [r.token_ids == want for r, want in zip(out, ref)]
     assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch {bs} ({eng.step_path})"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
+@pytest.mark.parametrize("off", ["graphs", "compiled layer"])
+def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, monkeypatch):
+    """The check above at batch 8 with one part of the CUDA path off, the CUDA graphs or the compiled decoder layer:
+    where the check above fails, which of these passes says which part changes tokens."""
+    from specdec.exec.runner import ModelRunner
+
+    model, prompts, ref = mixed_rows
+    if off == "compiled layer":
+        monkeypatch.setattr(ModelRunner, "compile_layers", False)
+    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
+                     step_graphs=off != "graphs")
+    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=48)] * len(prompts))
+    same = [r.token_ids == want for r, want in zip(out, ref)]
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, {off} off ({eng.step_path})"

@@ -67,7 +67,9 @@ class SpecEngine:
     `prefill_chunk`: most prompt tokens (rows x tokens) one prefill forward takes (None: a whole admission's).
     `kv_cache`: "dense" rows of the longest row's slots, or "paged": blocks a row reserves for the tokens it can come
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
-    the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool).
+    the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool);
+    `paged_attention`: how a paged cache's captured steps attend, over its rows' blocks gathered ("gather") or with
+    FlexAttention over the pool in place ("flex": compiled once per step shape).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
@@ -84,6 +86,7 @@ class SpecEngine:
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
                  kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
                  profile_cache: str | None = None, capture_budget: float | None = None,
+                 paged_attention: str = "gather",
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -91,6 +94,9 @@ class SpecEngine:
             raise ValueError("prefill_chunk must be at least 1 (or None: no chunks)")
         if kv_cache not in ("dense", "paged"):
             raise ValueError(f"kv_cache must be dense or paged, not {kv_cache!r}")
+        if paged_attention not in ("gather", "flex"):
+            raise ValueError(f"paged_attention must be gather or flex, not {paged_attention!r}")
+        self.paged_attention = paged_attention
         if kv_cache == "paged" and pair.tp is not None:
             raise ValueError("resources.kv_cache: paged does not run with a tensor-parallel target yet (use dense)")
         self.kv_cache = kv_cache
@@ -275,8 +281,11 @@ class SpecEngine:
             if name == "target" and self.pair.tp is not None:  # a tensor-parallel target: every rank allocates
                 self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
                 continue
-            cache = PagedKVCache(model, rows, max_len, blocks) if self.kv_cache == "paged" else \
-                RaggedKVCache(model, rows, max_len)
+            if self.kv_cache == "paged":
+                cache = PagedKVCache(model, rows, max_len, blocks)
+                cache.attention = self.paged_attention
+            else:
+                cache = RaggedKVCache(model, rows, max_len)
             runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs,
                                  fault=self.step_fault)
             runner.max_graph_width = self.graph_width

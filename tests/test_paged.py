@@ -95,6 +95,35 @@ def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, ref
         assert cache.blocks == memory.pool_blocks(longest)
 
 
+def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, drafts, prompts, reference):
+    """`paged_attention="flex"`: the captured steps (here the padded static steps a CPU runs) attend with
+    FlexAttention over the pool in place, compiled once per step shape, prefix blocks shared by reference; rows
+    joining through a batch of 2, a fixed k=2 draft model (its catch-up, draft steps and 3-wide verification all
+    captured steps): transformers' greedy tokens, and the steps did attend that way."""
+    import specdec.exec.cache as cache_mod
+
+    seen = []
+    original = cache_mod._FlexView.attend
+
+    def attend(self, layer, q):
+        seen.append(q.shape)
+        return original(self, layer, q)
+
+    eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
+                     SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=2), batch_size=2,
+                     kv_cache="paged", paged_attention="flex", step_graphs=True)
+    cache_mod._FlexView.attend = attend
+    try:
+        out = eng.generate(prompts[:4])
+    finally:
+        cache_mod._FlexView.attend = original
+    assert [r.token_ids for r in out] == reference[:4]
+    assert sum(r.accepted_tokens for r in out) > 0
+    assert {shape[2] for shape in seen} >= {1, 4}  # draft steps and the padded 3-wide verification
+    with pytest.raises(ValueError, match="paged_attention"):
+        SpecEngine(pair(target), SamplingParams(), SpecConfig(method="none"), paged_attention="blocks")
+
+
 @pytest.mark.parametrize("path", [{"fast_path": False}, {"step_graphs": True}])
 def test_sampled_rows_samples_trees_and_every_path_equal_the_dense_cache(target, drafts, prompts, path):
     """Sampled rows with n = 2 (a sample copies its prompt's row), then prompt lookup's token trees (a tree's

@@ -50,12 +50,19 @@ def blocks_for(slots: int) -> int:
 
 class KVView:
     """One forward's access to a window of rows: `write(layer, k, v)` puts keys/values [n, t, kv_heads, head_dim]
-    at the forward's slots; `read(layer)` gives the window's keys/values [n, kv_heads, kv_len, head_dim]."""
+    at the forward's slots; `read(layer)` gives the window's keys/values [n, kv_heads, kv_len, head_dim]. A view
+    that attends over the cache itself (`attends`) gives `attend(layer, q)` instead of `read`."""
+
+    attends = False
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         raise NotImplementedError
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q [n, heads, t, hd] (at the forward's slots, causal) -> [n, t, heads * hd]."""
         raise NotImplementedError
 
 
@@ -108,8 +115,9 @@ class KVCache(WholeRows, Cache):
         self._view: KVView | None = None
         self._kv_len = 0
 
-    def view(self, start: int, end: int, slots: torch.Tensor, kv_len: int) -> KVView:
-        """Rows [start, end) write token t of row i at slot slots[i, t] and attend over slots [0, kv_len)."""
+    def view(self, start: int, end: int, slots: torch.Tensor, kv_len: int, attend: bool = False) -> KVView:
+        """Rows [start, end) write token t of row i at slot slots[i, t] and attend over slots [0, kv_len); `attend`:
+        a view that attends itself where the cache has one (a captured step's)."""
         raise NotImplementedError
 
     # -- set by the engine before each forward of transformers' own modules ---------------------------
@@ -166,7 +174,7 @@ class RaggedKVCache(KVCache):
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
-    def view(self, start, end, slots, kv_len):
+    def view(self, start, end, slots, kv_len, attend: bool = False):
         return _DenseView(self, start, end, slots, kv_len)
 
     def read_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,6 +219,57 @@ class _PagedView(KVView):
         return (self.cache.k[layer][self.reads].transpose(1, 2), self.cache.v[layer][self.reads].transpose(1, 2))
 
 
+_FLEX: list = []  # flex_attention compiled once per process (one compilation per shape it meets)
+
+
+def flex_attention():
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
+        _FLEX.append(torch.compile(flex, dynamic=False))
+    return _FLEX[0]
+
+
+class _FlexView(_PagedView):
+    """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks):
+    each row visits the blocks its table lists up to `kv_len`, and a slot is seen where its place in the row (the
+    block's column in the table) is at most the query's position. `positions` [n, t] are the queries' (the slots a
+    step writes, for chains). Its shapes depend on the rows, queries and pool only: one compilation per step key."""
+
+    attends = True
+
+    def __init__(self, cache: PagedKVCache, start: int, end: int, positions: torch.Tensor, kv_len: int):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        super().__init__(cache, start, end, positions, 0)
+        n, t = positions.shape
+        dev, pool = positions.device, cache.blocks
+        columns = min(blocks_for(kv_len), cache.table.shape[1])
+        table = cache.table[start:end, :columns]
+        place = torch.full((n, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
+        place.scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
+
+        def seen(b, h, q, kv):
+            column = place[b, kv // BLOCK]
+            return (column >= 0) & (column * BLOCK + kv % BLOCK <= positions[b, q])
+
+        self.mask = BlockMask.from_kv_blocks(
+            torch.full((n, 1, 1), columns, dtype=torch.int32, device=dev),
+            torch.nn.functional.pad(table, (0, pool - columns)).to(torch.int32)[:, None, None, :],
+            BLOCK_SIZE=(128, BLOCK), mask_mod=seen, seq_lengths=(t, pool * BLOCK))
+        # CUDA's main flex kernel wants its key tile to divide a block (16 slots)
+        self.options = {"BLOCK_N": BLOCK} if dev.type == "cuda" else None
+
+    def attend(self, layer, q):
+        n, heads, t, hd = q.shape
+        k, v = (c[layer].permute(1, 0, 2)[None] for c in (self.cache.k, self.cache.v))  # [1, kv_heads, slots, hd]
+        o = flex_attention()(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
+                             scale=hd ** -0.5, kernel_options=self.options)
+        return o.transpose(1, 2).reshape(n, t, heads * hd)
+
+
 class PagedKVCache(KVCache):
     """A pool of `blocks` blocks of `BLOCK` slots per layer (block 0: scratch) and a block table per row. A block
     counts its holders: the rows whose table points at it, and the prefix store (`pin`); it is free when none is
@@ -230,12 +289,17 @@ class PagedKVCache(KVCache):
         self.refs = [0] * blocks  # host: each block's holders
         self.free = list(range(blocks - 1, 0, -1))  # host: free blocks (popped from the end)
         self.prefix = None  # the prefix store whose pinned blocks joining rows share or reclaim (PrefixStore.attach)
+        self.attention = "gather"  # how captured steps attend: over gathered blocks, or "flex" (`_FlexView`)
 
     def physical(self, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Pool slots of logical `slots` [n, t] of the rows whose table rows are `table` [n, columns]."""
         return table.gather(1, slots // BLOCK) * BLOCK + slots % BLOCK
 
-    def view(self, start, end, slots, kv_len):
+    def view(self, start, end, slots, kv_len, attend: bool = False):
+        """`attend`: a view that attends with FlexAttention over the pool (`attention == "flex"`; `slots` are then the
+        queries' positions), else one that gathers the rows' blocks for `read`."""
+        if attend and self.attention == "flex":
+            return _FlexView(self, start, end, slots, kv_len)
         return _PagedView(self, start, end, slots, kv_len)
 
     def _row_slots(self, row: int, lo: int, hi: int) -> torch.Tensor:

@@ -202,7 +202,7 @@ def layer_forward(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: to
     or the mask's lengths."""
     q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
     kv.write(index, k, v)
-    return post(x, layer, _attend(q, *kv.read(index), mask), eps)
+    return post(x, layer, kv.attend(index, q) if kv.attends else _attend(q, *kv.read(index), mask), eps)
 
 
 def layer_prefill(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -243,22 +243,24 @@ def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
 
 def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
             layer_fn=layer_forward, slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            start: int = 0) -> torch.Tensor:
+            start: int = 0, attend: bool = False) -> torch.Tensor:
     """Hidden states [n, t, d] after the final norm, for cache rows [start, start + n).
 
     Token j of row i is written at slot positions[i, j] (clamped into the cache's rows) and attends to slots
     0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn`
     runs each layer (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
     function serves them all). A token tree (specdec/spec/trees.py) gives the `slots` its tokens are written at
-    (default: their positions) and its own `mask` [n, 1, t, >= kv_len].
+    (default: their positions) and its own `mask` [n, 1, t, >= kv_len]. `attend`: the cache's own attention where
+    it has one (a captured step's: `KVCache.view`), for chains.
     """
     n = tokens.shape[0]
     positions = positions.clamp(max=cache.max_len - 1)
     cos, sin, causal = _rope_and_mask(w, positions, kv_len)
     if mask is not None:
         causal = mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1)
+    own = attend and slots is None and mask is None  # the queries sit at the slots they write
     slots = positions if slots is None else slots.clamp(max=cache.max_len - 1)
-    kv = cache.view(start, start + n, slots, kv_len)
+    kv = cache.view(start, start + n, slots, kv_len, attend=own)
     x = embed(w, tokens)
     for index, layer in enumerate(w.layers):
         x = layer_fn(x, layer, kv, index, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)

@@ -149,7 +149,7 @@ class ModelRunner:
             inputs = (tokens, positions) if last is None else (tokens, positions, last)
 
             def fast():
-                logits, hidden = self.graphs.run(key, partial(self._step, kv_len=kv), rows, *inputs)
+                logits, hidden = self.graphs.run(key, partial(self._step, kv_len=kv, attend=True), rows, *inputs)
                 return (logits[:n], hidden[:n]) if last is not None else (logits[:n, :t], hidden[:n, :t])
         else:
             key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations
@@ -233,9 +233,10 @@ class ModelRunner:
                             key, why)
         return ref
 
-    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, layer=None):
+    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, layer=None, attend=False):
         if self.lean is not None:
-            hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, layer or self.layer, slots, mask)
+            hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, layer or self.layer, slots, mask,
+                                   attend=attend)
         else:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:

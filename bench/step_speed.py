@@ -13,6 +13,8 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
   be read back and handled on the host);
 - fast-uncompiled: the same without compiling the layer (on a GPU: what compilation adds);
 - fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
+- fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
+  attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
 - generic: transformers' own modules over the same ragged cache, eager (the engine before the fast path);
 - hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
@@ -124,11 +126,12 @@ def timed(fn) -> float:
 def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float, str, float | None]:
     """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path, the device's
     busy fraction: None off CUDA) of `method: none` on a path."""
-    ModelRunner.compile_layers = {"fast": None, "fast-serial": None, "fast-uncompiled": False,
-                                  "fast-compiled": True}.get(path)
+    ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
+    paged = path.startswith("fast-paged")
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic",
-                     overlap=path != "fast-serial")
+                     overlap=path != "fast-serial", kv_cache="paged" if paged else "dense",
+                     paged_attention="flex" if path == "fast-paged-flex" else "gather")
     first = timed(lambda: eng.generate(prompts))
     eng.context.staging.device_s = 0.0
     wall = timed(lambda: eng.generate(prompts))
@@ -212,7 +215,7 @@ def main():
             log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
                           f"{step_path}")
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
-            refs = [(r, got[r, batch]) for r in ("fast-serial", "generic", "hf eager", "hf compiled")
+            refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "generic", "hf eager", "hf compiled")
                     if (r, batch) in got and r != name]
             if refs and not name.startswith("hf"):
                 log(args.out, f"# {shape} {name} batch {batch}: " +

@@ -97,7 +97,7 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" fast,fast-serial "${KIT_STEP_S:-125}"
+      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-serial}" "${KIT_STEP_S:-125}"
       gpu_tests ;;
     second)
       wheels; keep

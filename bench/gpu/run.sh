@@ -14,7 +14,7 @@
 # its model part (.carry/pN) for the third. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
-# KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BATCHES,
+# KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
 # KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S,
 # KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on PYTHONPATH).

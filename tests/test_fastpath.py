@@ -104,7 +104,7 @@ def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts
                      profile=flat_profile(), prefix_caching=False, prefill_chunk=chunk)
     out = eng.generate(prompts)
     assert [r.token_ids for r in out] == reference
-    assert calls["prefill"] == 0 and calls["step"] + calls["step_joined"] == eng_rounds(out, 3)
+    assert calls["prefill"] == 0 and calls["step"] + calls["step_joined"] == eng.context.staging.rounds
     assert calls["step_joined"] >= 2  # the first admission, and rows joining as others finish
 
 
@@ -310,24 +310,12 @@ def test_a_round_reads_the_device_once(target, prompts, method, draft_length, te
             reads.paused = False
 
     monkeypatch.setattr(ModelRunner, "_first", first)
+    before = eng.context.staging.rounds
     with HostReads() as reads:
         out = eng.generate(prompts)
     rounds = max(r.rounds for r in out)  # rows share rounds: the batch ran at least this many
-    assert rounds <= reads.count == eng_rounds(out, 3), dict(reads.sites)
+    assert rounds <= reads.count == eng.context.staging.rounds - before, dict(reads.sites)
     assert not firsts or DEVICE == "cuda" or ModelRunner.compile_layers
-
-
-def eng_rounds(out, batch_size):
-    """Rounds a batch of `batch_size` ran: recomputed from the rows' own round counts in admission order
-    (longest prompt first), as continuous batching scheduled them."""
-    order = sorted(range(len(out)), key=lambda i: -out[i].prompt_tokens)
-    free = [0] * batch_size  # round at which each slot frees up
-    end = 0
-    for i in order:
-        slot = min(range(batch_size), key=lambda s: free[s])
-        free[slot] += out[i].rounds
-        end = max(end, free[slot])
-    return end
 
 
 def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
@@ -337,7 +325,7 @@ def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
                      SpecConfig(draft_length="confidence", max_draft_tokens=4), batch_size=3)
     with HostReads() as reads:
         out = eng.generate(prompts)
-    assert reads.count > eng_rounds(out, 3)
+    assert reads.count > eng.context.staging.rounds
     assert np.mean([r.mean_accepted_length for r in out]) > 1
 
 

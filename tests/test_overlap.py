@@ -52,10 +52,10 @@ def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, refere
 @pytest.mark.parametrize("k", [1, 3])
 def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prompts, reference, k):
     """Four rows drafting k tokens a round with a draft model, 64 new tokens each: the next round (its draft's
-    catch-up and its verification built on the device from this round's outputs) is queued before the host reads
-    this one back, but in the last rounds, where some row's draft could reach max_new_tokens (it is at most 2 (k + 1)
-    tokens from it: then the host waits; four rows, at most as many rounds each); tokens, rounds and acceptance are those of rounds that wait for each other, and
-    the first 24 tokens transformers' greedy ones."""
+    catch-up and its verification built on the device from this round's outputs, each row's draft within the room
+    the device counts before max_new_tokens) is queued before the host reads this one back, but where a row leaves
+    (four rows: at most four such rounds, and the last); tokens, rounds and acceptance are those of rounds that
+    wait for each other, and the first 24 tokens transformers' greedy ones."""
     runs = {}
     for overlap in (True, False):
         eng, events = traced(target, drafts["noisy"], overlap, method="draft_model", draft_length="fixed",
@@ -66,7 +66,7 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
     assert runs[True][0] == runs[False][0]
     followed, rounds = runs[True][1:]
     assert runs[False][1] == 0 and rounds == runs[False][2]
-    assert followed >= rounds - 4 * 2 * (k + 1) - 1 and followed > rounds // 2, (followed, rounds)
+    assert followed >= rounds - 5, (followed, rounds)
 
 
 @pytest.mark.parametrize("method, spec, kv_cache", [

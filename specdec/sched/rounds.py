@@ -172,7 +172,7 @@ class Rounds:
                 flight = None
                 continue
             limits = self.limits(b.n)
-            if flight is not None and limits.any() and not self.may_draft_ahead(flight, limits):
+            if flight is not None and limits.any() and not self.may_draft_ahead():
                 self.land(flight)  # the policy drafts after all (its plan knew round r - 1)
                 flight = None
                 if self.changes(queue):
@@ -191,15 +191,15 @@ class Rounds:
     def may_go_ahead(self, flight: Launched, queue: deque) -> bool:
         """Whether the next round may be queued before `flight` is read back: the rows' lengths and the draft's
         cache are on the device (`Slots.lens_dev`), so what the host lacks is each row's exact length, and bounds do
-        for shapes: `flight` verified chains, no row can reach max_new_tokens in it (it leaves after it: no round
-        is queued for it to ride), no output format masks the next round, randomness does not follow positions
-        (coupled noise), a round after a drafting one drafts (if at all) with a drafter that can go ahead, and no
-        row is to leave or join first."""
+        for shapes: `flight` verified chains, not every row surely reaches max_new_tokens in it (a row that does
+        rides the next round, its tokens dropped, as one a stop token ends), no output format masks the next round,
+        randomness does not follow positions (coupled noise), a round after a drafting one drafts (if at all) with a
+        drafter that can go ahead, and no row is to leave or join first."""
         b, n, v = self.batch, self.batch.n, flight.verifying
         if not (self.context.overlap and v.chain and b.constraints is None and not self.context.rule.coupled):
             return False
-        if (b.lens[:n] + v.growth - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any():
-            return False
+        if (b.lens[:n] + 1 - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).all():
+            return False  # a round of riders only
         ahead = b.proposer.drafts_ahead(n)
         if v.forwards and not ahead:  # the proposer drafts from tokens the host has not read yet
             return False
@@ -207,14 +207,10 @@ class Rounds:
             return False  # a plan made now would miss what the round in flight tells it
         return not self.changes(queue)
 
-    def may_draft_ahead(self, flight: Launched, limits: np.ndarray) -> bool:
-        """Whether rows may draft `limits` tokens in a round queued before `flight` is read back: the drafter drafts
-        from the device's lengths, and no row's draft is cut by max_new_tokens (whatever `flight` accepted; the
-        host's count of a row's room is that of a round ago)."""
-        b, n, v = self.batch, self.batch.n, flight.verifying
-        if not b.proposer.drafts_ahead(n):
-            return False
-        return not (b.lens[:n] + v.growth + limits - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).any()
+    def may_draft_ahead(self) -> bool:
+        """Whether rows may draft in a round queued before `flight` is read back: the drafter drafts from the
+        device's lengths, and within each row's room on the device (the host's count of it is a round old)."""
+        return self.batch.proposer.drafts_ahead(self.batch.n)
 
     def changes(self, queue: deque) -> bool:
         """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""

@@ -39,6 +39,7 @@ class Slots:
         # round in flight added (`in_flight`: at most that many tokens a row; `in_flight_drafted`: it drafted)
         self.lens_dev = self.add("seq_len_dev")
         self.in_flight, self.in_flight_drafted = 0, False
+        self.ends_dev = self.add("seq_end_dev")  # the length at which a row has its max_new_tokens (device)
         self.prompt_lens = self.add_host("prompt_len")  # of them, the prompt's
         # prompt + emitted on the host (a copy keeps its own list: samples of one prompt grow apart)
         self.history: list[list[int] | None] = self.add_objects("history", lambda src, dst: dst)

@@ -115,6 +115,9 @@ class DraftModelProposer(Proposer):
         choice = rows if noise is None else sampling.as_greedy(rows)  # coupled: argmax of perturbed logits
         lens = s.lens[:n]
         limits_dev = to_device(limits, dev) if stop is not None or limits.min() != k_max else None
+        if s.in_flight:  # the host's room is a round old: each row drafts within what the device says is left
+            room = (s.ends_dev[:n] - s.lens_dev[:n] - 1).clamp(min=0)
+            limits_dev = room.clamp(max=k_max) if limits_dev is None else torch.minimum(limits_dev, room)
         active = limits_dev > 0 if stop is not None else None  # rows still drafting (tracked if rows stop early)
         lengths = torch.zeros(n, dtype=torch.int64, device=dev) if stop is not None else None
         if stop is not None:

@@ -3,6 +3,8 @@ to transformers' and to the dense cache's, on every path a step can take (float3
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -132,8 +134,9 @@ def test_sampled_rows_samples_trees_and_every_path_equal_the_dense_cache(target,
     runs = {}
     for layout in ("dense", "paged"):
         sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, n=2, seed=5)
+        ticks = itertools.count()  # goodput's choices follow its rounds' timings: a clock that ticks per call
         eng = SpecEngine(pair(target, drafts["noisy"]), sp, SpecConfig(method="draft_model"), batch_size=5,
-                         profile=flat_profile(), kv_cache=layout, **path)
+                         profile=flat_profile(), kv_cache=layout, clock=lambda: float(next(ticks)), **path)
         repeating = [p * 3 for p in prompts]
         trees = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW),
                            SpecConfig(method="prompt_lookup", num_draft_tokens=4, draft_length="fixed",
@@ -195,9 +198,11 @@ def test_rows_sharing_stored_blocks_from_the_start_draw_what_dense_rows_do(targe
     monkeypatch.setattr(PrefixStore, "store", store)
     runs = {}
     for layout, caching in (("dense", False), ("paged", True)):
+        ticks = itertools.count()  # goodput's choices follow its rounds' timings: a clock that ticks per call
         eng = SpecEngine(pair(target, drafts["noisy"] if method == "draft_model" else None),
                          SamplingParams(max_new_tokens=MAX_NEW, **sp), SpecConfig(method=method, **spec),
-                         batch_size=2, profile=flat_profile(), kv_cache=layout, prefix_caching=caching)
+                         batch_size=2, profile=flat_profile(), kv_cache=layout, prefix_caching=caching,
+                         clock=lambda: float(next(ticks)))
         out = eng.generate(prompts)
         runs[layout] = [r.token_ids for r in out]
         if caching:

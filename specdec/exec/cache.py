@@ -219,19 +219,6 @@ class _PagedView(KVView):
         return (self.cache.k[layer][self.reads].transpose(1, 2), self.cache.v[layer][self.reads].transpose(1, 2))
 
 
-_FLEX: list = []  # flex_attention compiled once per process (one compilation per shape it meets)
-
-
-def flex_attention():
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention as flex
-
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
-        _FLEX.append(torch.compile(flex, dynamic=False))
-    return _FLEX[0]
-
-
 class _FlexView(_PagedView):
     """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks):
     each row visits the blocks its table lists up to `kv_len`, and a slot is seen where its place in the row (the
@@ -265,7 +252,9 @@ class _FlexView(_PagedView):
     def attend(self, layer, q):
         n, heads, t, hd = q.shape
         k, v = (c[layer].permute(1, 0, 2)[None] for c in (self.cache.k, self.cache.v))  # [1, kv_heads, slots, hd]
-        o = flex_attention()(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
+        from .graphs import compiled_flex
+
+        o = compiled_flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
                              scale=hd ** -0.5, kernel_options=self.options)
         return o.transpose(1, 2).reshape(n, t, heads * hd)
 

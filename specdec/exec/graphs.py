@@ -35,9 +35,28 @@ def pow2_at_least(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def width_buckets(width: int) -> list[int]:
-    """The widths steps of up to `width` tokens per row are padded to: powers of two, and `width`."""
-    return sorted({min(pow2_at_least(w), width) for w in range(1, width + 1)})
+def width_buckets(width: int, most: int | None = None) -> list[int]:
+    """The widths steps of up to `width` tokens per row are padded to: powers of two, and `width` (`most`: those
+    that steps of up to `most` tokens take)."""
+    return sorted({min(pow2_at_least(w), width) for w in range(1, min(width, most or width) + 1)})
+
+
+def _many_compilations() -> None:
+    # shapes are specialized (a model's weights, a step's rows): every model shape in the process (a target and its
+    # draft, a bench's several) adds its own compilations; torch's default limit of 8 would send the ninth to eager
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
+
+
+def compiled_flex() -> Callable:
+    """torch's flex_attention compiled, once per process (one compilation per shape it meets: its dynamic shapes do
+    not compile on a CPU)."""
+    if "flex" not in _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _many_compilations()
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["flex"]
 
 
 def compiled_layer() -> Callable:
@@ -47,10 +66,7 @@ def compiled_layer() -> Callable:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
-        # weight shapes are specialized: every model shape in the process (a target and its draft, a bench's
-        # several) adds its own compilations; torch's default limit of 8 would send the ninth to eager for good
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(getattr(dynamo, "recompile_limit", 8), 64)
+        _many_compilations()
         pre, post = (torch.compile(f, dynamic=True, fullgraph=True) for f in (llama._attention_in, llama._layer_out))
         _COMPILED["layer"] = partial(llama.layer_forward, pre=pre, post=post)
     return _COMPILED["layer"]

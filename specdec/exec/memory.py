@@ -152,8 +152,7 @@ def step_kinds(name: str, width: int, most: int | None = None) -> list[tuple[int
     """(width, last) of the captured steps a round of model `name` takes, widths padded to their buckets
     (`width_buckets`; `most`: of steps up to `most` tokens wide only): the target verifies every position of up to
     `width` tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
-    widths = width_buckets(width) if most is None else sorted({min(pow2_at_least(w), width)
-                                                              for w in range(1, min(most, width) + 1)})
+    widths = width_buckets(width, most)
     if name == "target":
         return [(w, False) for w in widths]
     return [(1, False)] + [(w, True) for w in widths]

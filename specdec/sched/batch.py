@@ -81,8 +81,9 @@ class Batch:
             self.sp.set(slot, row.sp)
         self.seq[start:end, :t] = self.to_device(tokens)
         self.lens[start:end] = self.slots.prompt_lens[start:end] = [len(r.tokens) for r in rows]
-        self.slots.lens_dev[start:end] = self.to_device(self.lens[start:end])
-        self.slots.ends_dev[start:end] = self.to_device(self.lens[start:end] + self.sp.host["max_new"][start:end])
+        lens = self.lens[start:end]
+        self.slots.lens_dev[start:end], self.slots.ends_dev[start:end] = self.to_device(
+            np.stack([lens, lens + self.sp.host["max_new"][start:end]]))  # one copy
         self.n = end
 
     def row_slots(self, prompt: int, max_new: int) -> int:

@@ -155,9 +155,10 @@ class Rounds:
 
     def run(self, queue: deque) -> None:
         """Rounds until the queue is empty and every row has finished. The next round is queued on the device before
-        the host reads back the one before it where it can be (`may_go_ahead`, `may_draft_ahead`): the host's work on
-        round r overlaps the device's on round r + 1, whose inputs (lengths, the draft's catch-up) the device builds
-        from round r's outputs. Rows leave and join only while no round is in flight: a row that finished in a round
+        the host reads back the one before it where it can be (`may_go_ahead`; a drafting one, where the proposer
+        `drafts_ahead`, each row within the room the device counts): the host's work on round r overlaps the
+        device's on round r + 1, whose inputs (lengths, the draft's catch-up) the device builds from round r's
+        outputs. Rows leave and join only while no round is in flight: a row that finished in a round
         another already follows rides that one (its tokens dropped) and leaves after it."""
         b, flight = self.batch, None
         while queue or b.n:
@@ -172,7 +173,7 @@ class Rounds:
                 flight = None
                 continue
             limits = self.limits(b.n)
-            if flight is not None and limits.any() and not self.may_draft_ahead():
+            if flight is not None and limits.any() and not b.proposer.drafts_ahead(b.n):
                 self.land(flight)  # the policy drafts after all (its plan knew round r - 1)
                 flight = None
                 if self.changes(queue):
@@ -206,11 +207,6 @@ class Rounds:
         if self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)):
             return False  # a plan made now would miss what the round in flight tells it
         return not self.changes(queue)
-
-    def may_draft_ahead(self) -> bool:
-        """Whether rows may draft in a round queued before `flight` is read back: the drafter drafts from the
-        device's lengths, and within each row's room on the device (the host's count of it is a round old)."""
-        return self.batch.proposer.drafts_ahead(self.batch.n)
 
     def changes(self, queue: deque) -> bool:
         """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""

@@ -3,11 +3,11 @@
 A batch's rows live in slots [0, capacity); the active ones are [0, n). What every part of the engine reads of a
 row lives here from the start: its tokens on the device (`seq`), its length (`lens`, host: the host knows it, so no
 forward reads it back; `lens_dev`: the device's, ahead by a round in flight), its tokens as a host list (`history`:
-prompt lookup and stop checks read it) and its prompt's length (`prompt_lens`). Whatever else belongs to a row (its sampling settings, its rows of each model's KV
-cache, a proposer's n-gram pool, a policy's estimate of it, its output format's matcher) a part registers once
-(`add`, `add_host`, `add_objects`, `add_cache`). A finished row leaves by swap-remove (the last active row moves into
-its slot: `move`), a sample of a prompt already admitted starts as a copy of the row holding it (`copy`), and new
-rows start at each entry's fill value (`admit`). Proposers, policies and output formats see a batch as its `Slots`.
+prompt lookup and stop checks read it) and its prompt's length (`prompt_lens`). Whatever else belongs to a row (its
+sampling settings, its rows of each model's KV cache, a proposer's n-gram pool, a policy's estimate of it, its
+output format's matcher) a part registers once (`add`, `add_host`, `add_objects`, `add_cache`). A finished row
+leaves by swap-remove (the last active row moves into its slot: `move`), a sample of a prompt already admitted
+starts as a copy of the row holding it (`copy`), and new rows start at each entry's fill value (`admit`). Proposers, policies and output formats see a batch as its `Slots`.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ are not proposed), so the whole batch stays one tensor. What the draft cache hol
 host state (`d_len`), updated from the round's read-back, and device state (`d_len_dev`), advanced as
 the round is queued: drafting never waits on the device, unless the policy stops rows on the draft's
 outputs (its `stopper`), and a round can be drafted before the one before it is read back
-(`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A stopper that reads the state after a
-token was fed back (SpecDec++'s head) decides once that forward ran, and its logits give the row's
-next token for free: the row proposes it too, as SpecDec++'s reference does.
+(`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A stopper that
+reads the state after a token was fed back (SpecDec++'s head) decides once that forward ran, and its
+logits give the row's next token for free: the row proposes it too, as SpecDec++'s reference does.
 """
 
 from __future__ import annotations

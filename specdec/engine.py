@@ -36,6 +36,7 @@ from .exec.inputs import Staging
 from .exec.models import ModelPair
 from .exec.prefill import Prefiller
 from .exec.prefix import Prefixes, admission_order
+from .exec.graphs import compiled_flex
 from .exec.runner import ModelRunner
 from .exec.tp import TPRunner
 from .plan import profiler
@@ -283,7 +284,7 @@ class SpecEngine:
                 continue
             if self.kv_cache == "paged":
                 cache = PagedKVCache(model, rows, max_len, blocks)
-                cache.attention = self.paged_attention
+                cache.flex = compiled_flex() if self.paged_attention == "flex" else None
             else:
                 cache = RaggedKVCache(model, rows, max_len)
             runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs,

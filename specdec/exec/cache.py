@@ -22,6 +22,8 @@ across `generate()` calls, specdec/exec/runner.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -252,9 +254,7 @@ class _FlexView(_PagedView):
     def attend(self, layer, q):
         n, heads, t, hd = q.shape
         k, v = (c[layer].permute(1, 0, 2)[None] for c in (self.cache.k, self.cache.v))  # [1, kv_heads, slots, hd]
-        from .graphs import compiled_flex
-
-        o = compiled_flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
+        o = self.cache.flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
                              scale=hd ** -0.5, kernel_options=self.options)
         return o.transpose(1, 2).reshape(n, t, heads * hd)
 
@@ -278,16 +278,18 @@ class PagedKVCache(KVCache):
         self.refs = [0] * blocks  # host: each block's holders
         self.free = list(range(blocks - 1, 0, -1))  # host: free blocks (popped from the end)
         self.prefix = None  # the prefix store whose pinned blocks joining rows share or reclaim (PrefixStore.attach)
-        self.attention = "gather"  # how captured steps attend: over gathered blocks, or "flex" (`_FlexView`)
+        # what captured steps attend with: compiled FlexAttention over the pool in place (graphs.compiled_flex,
+        # `_FlexView`), or None: SDPA over the rows' gathered blocks
+        self.flex: Callable | None = None
 
     def physical(self, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Pool slots of logical `slots` [n, t] of the rows whose table rows are `table` [n, columns]."""
         return table.gather(1, slots // BLOCK) * BLOCK + slots % BLOCK
 
     def view(self, start, end, slots, kv_len, attend: bool = False):
-        """`attend`: a view that attends with FlexAttention over the pool (`attention == "flex"`; `slots` are then the
-        queries' positions), else one that gathers the rows' blocks for `read`."""
-        if attend and self.attention == "flex":
+        """`attend`: a view that attends with FlexAttention over the pool where the cache has it (`flex`; `slots` are
+        then the queries' positions), else one that gathers the rows' blocks for `read`."""
+        if attend and self.flex is not None:
             return _FlexView(self, start, end, slots, kv_len)
         return _PagedView(self, start, end, slots, kv_len)
 

@@ -265,23 +265,40 @@ def test_other_architectures_take_the_generic_path(prompts):
 
 
 class HostReads(torch.overrides.TorchFunctionMode):
-    """Counts reads of tensor values into Python (each one a device sync on a GPU), by the specdec line that
-    asked for each."""
+    """Counts the host's waits on the device, by the specdec line that asked for each: reads of tensor values into
+    Python (each one a device sync on a GPU) and, on CUDA, synchronizing an event, a stream or the device (how a
+    round's pinned read-back waits)."""
 
     READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu}
+    SYNCS = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")]
 
     def __init__(self):
         super().__init__()
         self.count = 0
         self.sites = collections.Counter()
         self.paused = False
+        self.real = [getattr(owner, name) for owner, name in self.SYNCS]
+
+    def __enter__(self):
+        for (owner, name), real in zip(self.SYNCS, self.real):
+            setattr(owner, name, lambda *a, _real=real, **kw: (self.read(), _real(*a, **kw))[1])
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for (owner, name), real in zip(self.SYNCS, self.real):
+            setattr(owner, name, real)
+        return super().__exit__(*exc)
+
+    def read(self):
+        if not self.paused:
+            self.count += 1
+            ours = [f for f in traceback.extract_stack()[:-2] if "/specdec/" in f.filename]
+            self.sites[f"{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno}" if ours else "elsewhere"] += 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.READS and not self.paused:
-            self.count += 1
-            ours = [f for f in traceback.extract_stack()[:-1] if "/specdec/" in f.filename]
-            self.sites[f"{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno}" if ours else "elsewhere"] += 1
+        if func in self.READS:
+            self.read()
         return func(*args, **(kwargs or {}))
 
 

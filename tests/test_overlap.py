@@ -55,7 +55,9 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
     catch-up and its verification built on the device from this round's outputs, each row's draft within the room
     the device counts before max_new_tokens) is queued before the host reads this one back, but where a row leaves
     (four rows: at most four such rounds, and the last); tokens, rounds and acceptance are those of rounds that
-    wait for each other, and the first 24 tokens transformers' greedy ones."""
+    wait for each other (their rounds too, but perhaps one: where the last rows reach max_new_tokens by accepting
+    more than the host could foresee, the round queued after rides empty), and the first 24 tokens transformers'
+    greedy ones."""
     runs = {}
     for overlap in (True, False):
         eng, events = traced(target, drafts["noisy"], overlap, method="draft_model", draft_length="fixed",
@@ -65,7 +67,7 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
         runs[overlap] = results(out), *ahead(events)
     assert runs[True][0] == runs[False][0]
     followed, rounds = runs[True][1:]
-    assert runs[False][1] == 0 and rounds == runs[False][2]
+    assert runs[False][1] == 0 and runs[False][2] <= rounds <= runs[False][2] + 1
     assert followed >= rounds - 5, (followed, rounds)
 
 

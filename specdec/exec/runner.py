@@ -135,6 +135,9 @@ class ModelRunner:
         [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
         next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/spec/trees.py;
         it runs eagerly)."""
+        return self._forward(tokens, positions, kv_len, last, slots, mask)
+
+    def _forward(self, tokens, positions, kv_len, last=None, slots=None, mask=None):
         n, t = tokens.shape
         kv_len = min(kv_len, self.cache.max_len)
         eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
@@ -169,9 +172,9 @@ class ModelRunner:
     def capture(self, keys: list[tuple[int, int, int, bool]], deadline: float) -> int:
         """Run now each step of `keys` ((rows, width, window, full), in order) that has not run on the fast path,
         over junk inputs, until `time.perf_counter()` passes `deadline`: captured on a GPU and checked against
-        eager (`step`), so that the rounds meet it ready. Its rows [0, rows) write slots 0 .. width - 1 of their
-        cache rows (table rows a paged cache's rows do not own point at its scratch block): call it before rows
-        join. Returns how many ran."""
+        eager (what `step` runs, not a step of the job's), so that the rounds meet it ready. Its rows [0, rows)
+        write slots 0 .. width - 1 of their cache rows (table rows a paged cache's rows do not own point at its
+        scratch block): call it before rows join. Returns how many ran."""
         ran = 0
         for rows, width, kv, full in keys:
             if self.graphs is None or time.perf_counter() >= deadline:
@@ -180,7 +183,8 @@ class ModelRunner:
                 continue
             tokens = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
             positions = torch.arange(width, device=self.device).expand(rows, width)
-            self.step(tokens, positions, kv, None if full else torch.zeros(rows, dtype=torch.int64, device=self.device))
+            self._forward(tokens, positions, kv, None if full else torch.zeros(rows, dtype=torch.int64,
+                                                                                device=self.device))
             ran += 1
         return ran
 

@@ -2,7 +2,10 @@
 draft, random weights (`--shapes llama8b,llama1b`; `tiny` for both checks the script on a CPU). The draft's forwards
 run for their true cost, but the tokens it proposes are replaced by the target's own greedy continuation (recorded
 by an autoregressive run first), each token kept with probability alpha and otherwise changed to another: the
-verification is real and lossless, and the acceptance is alpha by construction.
+verification is real and lossless, and the acceptance is alpha by construction. The target's weights are random
+but planted (`plant_chain`): its greedy next token is a fixed function of the current one, by a margin no
+rounding closes, so a verification of any width keeps the autoregressive run's tokens in bfloat16 too (plain
+random weights leave near-ties that a wider step's rounding parts: acceptance fell to 0.02 on an H200).
 
     python bench/shape_pair.py [--device cuda] [--shapes llama8b,llama1b] [--alpha 0.8] [--batches 1,8,32,64]
                                [--max-new 64] [--prompt-len 128] [--ks 1,2,3,4,6] [--dtype bfloat16] [--json FILE]
@@ -15,7 +18,7 @@ row of every run equals autoregressive's tokens; and each run's time per round s
 the target's, and the rest (the round's host work and scans). Every engine runs once untimed first (captures,
 compilation), then once timed. tok/s = generated tokens / wall time, prefill included. `--json` writes, per batch
 size: ar_tok_s, defaults_tok_s, best_fixed_k, best_fixed_tok_s, tokens_per_call (the defaults'), alpha_measured,
-equal_to_ar.
+equal_to_ar, and new_shapes (the most step shapes a timed run met first: on a GPU each is captured inside it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from policies import step_shapes  # noqa: E402
 from step_speed import random_model, sync  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
@@ -40,6 +44,25 @@ from specdec.exec.inputs import to_device  # noqa: E402
 from specdec.exec.models import ModelPair  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 from specdec.spec.proposers.draft_model import DraftModelProposer  # noqa: E402
+
+
+def plant_chain(model, scale: float = 64.0, seed: int = 0) -> torch.Tensor:
+    """Make a random model's greedy next token a fixed function of the token it reads, with a wide margin: each
+    token's embedding (rms `scale`) outweighs what the layers add to the residual stream (a few units at init),
+    and the head scores token perm[t] by t's own embedding, so perm[t]'s logit is about sqrt(hidden) standard
+    deviations above the rest. The forwards cost what they cost (dense kernels do not look at values); the head is
+    untied from the embeddings. Returns perm."""
+    emb = model.get_input_embeddings().weight
+    vocab, hidden = emb.shape
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(vocab, hidden, generator=g)
+    perm = torch.randperm(vocab, generator=g)
+    head = torch.empty_like(e)
+    head[perm] = e / e.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        emb.copy_(scale * e)
+        model.lm_head.weight = torch.nn.Parameter(head.to(emb.device, emb.dtype), requires_grad=False)
+    return perm
 
 
 class Oracle:
@@ -51,6 +74,8 @@ class Oracle:
         self.alpha, self.vocab = alpha, vocab
         self.rng = np.random.default_rng(seed)
         self.known: dict[tuple[int, ...], list[int]] = {}
+        self.rows: tuple | None = None  # the rows whose continuations `table` holds, on the device
+        self.table: torch.Tensor | None = None
         self.real = DraftModelProposer.propose
 
     def __enter__(self):
@@ -68,18 +93,22 @@ class Oracle:
 
     def replace(self, slots, draft):
         """The draft with each row's tokens replaced (as drafted where a row's prompt is not known: the start-up
-        profile's synthetic rows)."""
+        profile's synthetic rows). Built on the device from the rows' lengths there (`lens_dev`: a round queued
+        ahead of the host's read-back starts where the round in flight ends), so the host waits for nothing."""
         n, k = draft.tokens.shape
-        rows = [self.known.get(tuple(slots.history[i][: int(slots.prompt_lens[i])])) for i in range(n)]
-        if any(full is None for full in rows):
+        rows = tuple(tuple(slots.history[i][: int(slots.prompt_lens[i])]) for i in range(n))
+        if any(r not in self.known for r in rows):
             return draft
-        host = np.zeros((n, k), dtype=np.int64)
-        for i, full in enumerate(rows):
-            at = int(slots.lens[i])  # x_1 stands at the row's next position
-            want = np.array((full[at : at + k] + [0] * k)[:k], dtype=np.int64)
-            other = (want + 1 + self.rng.integers(0, self.vocab - 1, size=k)) % self.vocab
-            host[i] = np.where(self.rng.random(k) < self.alpha, want, other)
-        return replace(draft, tokens=to_device(host, slots.device))
+        if rows != self.rows:  # the batch's rows changed: their continuations to the device, once
+            table = np.zeros((n, max(len(self.known[r]) for r in rows) + k), dtype=np.int64)
+            for i, r in enumerate(rows):
+                table[i, : len(self.known[r])] = self.known[r]
+            self.rows, self.table = rows, to_device(table, slots.device)
+        at = slots.lens_dev[:n, None].long() + torch.arange(k, device=self.table.device)  # x_1: each row's next
+        want = self.table.gather(1, at.clamp(max=self.table.shape[1] - 1))
+        keep = to_device(self.rng.random((n, k)) < self.alpha, slots.device)
+        other = (want + to_device(1 + self.rng.integers(0, self.vocab - 1, size=(n, k)), slots.device)) % self.vocab
+        return replace(draft, tokens=torch.where(keep, want, other))
 
 
 class StepClock:
@@ -115,13 +144,15 @@ def run(eng: SpecEngine, prompts: list[list[int]], split: bool) -> dict:
     tested = [eng.generate(prompts)]
     sync()
     captured = eng.capture_s  # the first job's steps, captured before its rows joined
+    shapes = step_shapes(eng)
     t = time.perf_counter()
     res = eng.generate(prompts)
     sync()
     wall = time.perf_counter() - t
     tested.append(res)
     out = {"tok_s": sum(r.generated_tokens for r in res) / wall, "tokens": [r.token_ids for r in res],
-           "per_call": sum(r.generated_tokens for r in res) / max(1, sum(r.rounds for r in res)), "capture_s": captured}
+           "per_call": sum(r.generated_tokens for r in res) / max(1, sum(r.rounds for r in res)), "capture_s": captured,
+           "new_shapes": step_shapes(eng) - shapes}
     if split:
         with StepClock() as clock:
             t = time.perf_counter()
@@ -158,6 +189,7 @@ def main():
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     names = args.shapes.split(",")
     target = random_model(names[0], device, dtype)
+    plant_chain(target)
     draft = random_model(names[-1], device, dtype)
     vocab = target.config.vocab_size
     pair = ModelPair(target, draft, None, (), vocab)
@@ -165,9 +197,10 @@ def main():
     g = torch.Generator().manual_seed(1)
     print(f"# shape pair {names[0]} + {names[-1]}, random weights, {dtype}, {device}; alpha {args.alpha}; "
           f"{args.prompt_len}-token prompts, {args.max_new} new tokens; ms per round: draft / target / rest; "
-          f"capture s: the first job's steps captured before its rows joined")
+          f"capture s: the first job's steps captured before its rows joined; shapes: step shapes first met in the "
+          f"timed run (each a capture there, on a GPU)")
     print(f"{'batch':>5s} {'run':14s} {'tok/s':>9s} {'vs AR':>6s} {'tok/call':>8s} {'ms per round':>22s} "
-          f"{'capture s':>9s}")
+          f"{'capture s':>9s} {'shapes':>6s}")
     results = {}
     for batch in [int(b) for b in args.batches.split(",")]:
         if args.deadline is not None and time.perf_counter() - start > args.deadline:
@@ -181,7 +214,7 @@ def main():
         def show(name: str, r: dict, ar_tok_s: float) -> None:
             split = " / ".join(f"{s:.2f}" for s in r["split_ms"]) if "split_ms" in r else "-"
             print(f"{batch:5d} {name:14s} {r['tok_s']:9.1f} {r['tok_s'] / ar_tok_s:6.2f} {r['per_call']:8.2f} "
-                  f"{split:>22s} {r['capture_s']:9.1f}", flush=True)
+                  f"{split:>22s} {r['capture_s']:9.1f} {r['new_shapes']:6d}", flush=True)
 
         ar = run(engine(SpecConfig(method="none")), prompts, not args.no_split)
         show("autoregressive", ar, ar["tok_s"])
@@ -201,7 +234,8 @@ def main():
             "ar_tok_s": ar["tok_s"], "defaults_tok_s": defaults["tok_s"], "best_fixed_k": best,
             "best_fixed_tok_s": fixed[best]["tok_s"], "tokens_per_call": defaults["per_call"],
             "alpha_measured": accepted / max(1, accepted + rejected),
-            "equal_to_ar": all(r["tokens"] == ar["tokens"] for r in [defaults, *fixed.values()])}
+            "equal_to_ar": all(r["tokens"] == ar["tokens"] for r in [defaults, *fixed.values()]),
+            "new_shapes": max(r["new_shapes"] for r in [ar, defaults, *fixed.values()])}
         r = results[batch]
         print(f"# batch {batch}: defaults {r['defaults_tok_s'] / r['ar_tok_s']:.2f}x autoregressive, best fixed "
               f"k={best} {r['best_fixed_tok_s'] / r['ar_tok_s']:.2f}x; alpha measured {r['alpha_measured']:.3f}; "

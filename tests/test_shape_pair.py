@@ -22,7 +22,7 @@ def test_the_shape_pair_accepts_alpha_and_stays_lossless(tmp_path):
     assert set(got) == {"1", "8"}
     for batch, r in got.items():
         assert set(r) == {"ar_tok_s", "defaults_tok_s", "best_fixed_k", "best_fixed_tok_s", "tokens_per_call",
-                          "alpha_measured", "equal_to_ar"}
+                          "alpha_measured", "equal_to_ar", "new_shapes"}
         assert abs(r["alpha_measured"] - 0.8) <= 0.05, (batch, r)
         assert r["equal_to_ar"] is True and r["best_fixed_k"] in (1, 2, 3, 4, 6), (batch, r)
         assert r["ar_tok_s"] > 0 and r["defaults_tok_s"] > 0 and r["tokens_per_call"] >= 1.0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine_models import DEVICE, MAX_NEW, check_stats, noisy_copy, pair, run, smollm2_shape, tiny_llama
+from engine_models import MAX_NEW, check_stats, pair, run, tiny_llama
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 
@@ -145,53 +145,3 @@ def test_padded_verification_changes_nothing_but_the_shape(target, drafts, promp
     assert any(width > 4 for (_, width) in widths.times)  # rounds really ran wider
     for x, y in zip(a, b):
         assert (x.token_ids, x.draft_lengths, x.accept_lengths) == (y.token_ids, y.draft_lengths, y.accept_lengths)
-
-
-@pytest.fixture(scope="module")
-def mixed_rows():
-    """A model, 32 prompts of 5-60 tokens and transformers' 48 greedy tokens for each, one prompt at a time: on a GPU
-    at the demo target's shape (random weights), on a CPU a tiny model."""
-    import torch
-
-    model = smollm2_shape() if DEVICE == "cuda" else tiny_llama(seed=4)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, min(model.config.vocab_size, 30000), (n,), generator=g).tolist()
-               for n in torch.randint(5, 61, (32,), generator=g).tolist()]
-    with torch.inference_mode():
-        ref = [model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=48, min_new_tokens=48,
-                              do_sample=False)[0, len(p):].tolist() for p in prompts]
-    return model, prompts, ref
-
-
-@pytest.mark.parametrize("method", ["none", "draft_model"])
-@pytest.mark.parametrize("bs", [1, 4, 8, 16, 32])
-def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mixed_rows, bs, method):
-    """Float32 greedy rows of mixed prompt lengths, 48 new tokens each under an engine budget of 128 (caches and
-    steps sized for more than the rows take), at every batch size the steps' row buckets meet: transformers'
-    tokens, row for row, through the captured steps (a GPU) or the same static padded steps run eagerly (a CPU).
-    On an H200 the real pair's 8 chat rows at batch 8 once came out 0/8 equal, while batch 1 and 4 were equal."""
-    model, prompts, ref = mixed_rows
-    spec = SpecConfig(method="none") if method == "none" else \
-        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
-    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
-    eng = SpecEngine(pair(model, draft), SamplingParams(max_new_tokens=128), spec, batch_size=bs, step_graphs=True)
-    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=48)] * len(prompts))
-    same = [r.token_ids == want for r, want in zip(out, ref)]
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch {bs} ({eng.step_path})"
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
-@pytest.mark.parametrize("off", ["graphs", "compiled layer"])
-def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, monkeypatch):
-    """The check above at batch 8 with one part of the CUDA path off, the CUDA graphs or the compiled decoder layer:
-    where the check above fails, which of these passes says which part changes tokens."""
-    from specdec.exec.runner import ModelRunner
-
-    model, prompts, ref = mixed_rows
-    if off == "compiled layer":
-        monkeypatch.setattr(ModelRunner, "compile_layers", False)
-    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
-                     step_graphs=off != "graphs")
-    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=48)] * len(prompts))
-    same = [r.token_ids == want for r, want in zip(out, ref)]
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, {off} off ({eng.step_path})"

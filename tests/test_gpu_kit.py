@@ -85,7 +85,7 @@ def test_the_calls_fit_the_lease():
     step = [int(v) for v in re.findall(r"\$\{KIT_STEP_S:-(\d+)\}", run_sh)]
     setup = 15  # wheels, the environment's line, the parts
     stage = {"first": setup + step[0] + default["KIT_TEST_S"], "second": setup + step[1] + default["KIT_PAGED_S"],
-             "third": setup + default["KIT_POLICY_S"] + default["KIT_PROFILE_S"]}
+             "third": setup + default["KIT_EQUAL_S"] + default["KIT_POLICY_S"] + default["KIT_PROFILE_S"]}
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
     assert 30 + sum(limits.values()) + 2 * 10 <= 600, limits
@@ -133,10 +133,13 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         speed = (out[stage] / "step_speed.txt").read_text()
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
-    for name in ("test_fastpath", "test_engine", "test_sampling", "test_noise", "test_memory"):
+    for name in ("test_greedy_batches", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
-    assert "files: tests/test_noise.py tests/test_overlap.py tests/test_capture.py" in (out["first"] / "test_noise.txt").read_text()
+    assert "files: tests/test_sampling.py tests/test_noise.py tests/test_capture.py" in \
+        (out["first"] / "test_sampling.txt").read_text()
+    assert "files: tests/test_greedy_batches.py tests/test_overlap.py" in \
+        (out["first"] / "test_greedy_batches.txt").read_text()
     paged = (out["second"] / "paged_attention.txt").read_text()  # dense, gather and flex each ran and agreed
     assert re.search(r"^tiny\s+2\s+200\s+1\s+\d+\s+\d+\.\d+(\s+\d+\.\d+\s+\d+\.\d+x){2}$", paged, re.M), paged
     table = (out["third"] / "policies.txt").read_text()
@@ -145,6 +148,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row
     shape = json.loads((out["fourth"] / "shape_pair.json").read_text())  # both batch sizes, lossless
     assert set(shape) == {"1", "2"} and all(r["equal_to_ar"] and r["best_fixed_k"] == 2 for r in shape.values()), shape
+    equal = (out["third"] / "greedy_equality.txt").read_text()  # the real pair's rows, transformers' tokens
+    assert re.search(r"^none\s+2\s+2/2\s", equal, re.M), equal
     profile = (out["third"] / "round_profile.txt").read_text()
     assert re.search(r"^## plain: \d+\.\d+ ms per round", profile, re.M), profile[:2000]
     assert re.search(r"^## fixed k=2: \d+\.\d+ ms per round", profile, re.M) and "Self CPU" in profile, profile[:2000]

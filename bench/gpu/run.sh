@@ -6,8 +6,9 @@
 #           with its own budget
 #   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path; then
 #           attention over a paged KV cache against the dense rows, the Llama-8B shape (bench/paged_attention.py)
-#   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
-#           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
+#   third   the real pair, from the three calls' model parts: float32 greedy rows at batch 8 against transformers'
+#           (bench/greedy_equality.py), bench/policies.py with warm engines, then bench/round_profile.py (where
+#           a round's time goes, plain against k=2, batch 32)
 #   fourth  (when the lease has the time) the real-shape pair: Llama-8B and Llama-1B shapes, random weights,
 #           acceptance alpha = 0.8 by construction (bench/shape_pair.py): autoregressive, defaults, fixed K
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
@@ -16,12 +17,13 @@
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S, KIT_POLICY_S,
-# KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on PYTHONPATH).
+# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S,
+# KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
-TESTS="tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py tests/test_noise.py+tests/test_overlap.py+tests/test_capture.py tests/test_memory.py"
+# the CUDA batch-8 equality check (issue 54) and the overlap tests first, in a process of their own
+TESTS="tests/test_greedy_batches.py+tests/test_overlap.py tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py+tests/test_noise.py+tests/test_capture.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}
@@ -75,12 +77,13 @@ step_speed() {  # step_speed SHAPE PATHS SECONDS: rows stop starting at 4/7 of t
     --out "$OUT/step_speed.txt"
 }
 
-gpu_tests() {  # each file in its own process, side by side, each under its own budget; full logs in $OUT
-  local f n rc secs=${KIT_TEST_S:-140}
+gpu_tests() {  # each entry in its own process, side by side, each under its own budget (then SIGINT: pytest still
+  # prints what failed so far); full logs in $OUT
+  local f n rc secs=${KIT_TEST_S:-150}
   for f in $TESTS; do
     n=$(basename "${f%%+*}" .py)
     ( t0=$SECONDS
-      SPECBATCH_TEST_DEVICE=$DEVICE timeout "$secs" python3 -m pytest -q -p no:cacheprovider -rfE --durations=5 \
+      SPECBATCH_TEST_DEVICE=$DEVICE timeout -s INT -k 15 "$secs" python3 -m pytest -q -p no:cacheprovider -rfE --durations=5 \
         ${KIT_TEST_K:+-k "$KIT_TEST_K"} ${f//+/ } >"$OUT/$n.txt" 2>&1
       echo "# ${f%%+*}: exit $? after $((SECONDS - t0)) s (budget $secs s; files: ${f//+/ })" >>"$OUT/$n.txt" ) &
   done
@@ -97,7 +100,7 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-serial}" "${KIT_STEP_S:-125}"
+      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-serial}" "${KIT_STEP_S:-120}"
       gpu_tests ;;
     second)
       wheels; keep
@@ -107,7 +110,10 @@ stage() {
         --out "$OUT/paged_attention.txt" ;;
     third)
       wheels; keep; join_models
-      STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-100}" python3 bench/policies.py --device "$DEVICE" \
+      step greedy_equality "${KIT_EQUAL_S:-35}" python3 bench/greedy_equality.py --device "$DEVICE" \
+        --draft "$MODELS/smollm2-draft-4l" ${KIT_EQUAL_ARGS:---batches 8 --methods none,fixed} \
+        --out "$OUT/greedy_equality.txt"
+      STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-80}" python3 bench/policies.py --device "$DEVICE" \
         --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 32,1 --policies default,fixed \
         --ks 2 --max-draft 8 --repeats 1}
       step round_profile "${KIT_PROFILE_S:-40}" python3 bench/round_profile.py --device "$DEVICE" \

@@ -1,0 +1,90 @@
+"""Float32 greedy rows equal transformers' `generate` at every batch size the steps' row buckets meet, through the
+captured steps (a GPU) or the same static padded steps run eagerly (a CPU): the check of the CUDA batch-8 defect
+(on an H200 the real pair's 8 chat rows at batch 8 once came out 0/8 equal, while batch 1 and 4 were equal). The GPU
+kit runs this file first, in its own process; bench/greedy_equality.py runs the real pair's scenario."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_models import DEVICE, noisy_copy, pair, smollm2_shape, tiny_llama
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+
+NEW = 48  # tokens per row, under an engine budget of 128 (caches and steps sized for more than the rows take)
+
+
+def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time."""
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW, min_new_tokens=NEW,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def mixed_rows():
+    """A model (on a GPU the demo target's shape, random weights; on a CPU a tiny model), 32 prompts of 5-60 tokens
+    (16 distinct, each twice, the second copies in reverse order: a batch of 32 holds both, and the prefix cache
+    serves the second its first's blocks) and transformers' tokens for each; and 8 prompts sharing a 40-token
+    prefix, as chat prompts share their template, with theirs."""
+    model = smollm2_shape() if DEVICE == "cuda" else tiny_llama(seed=4)
+    g = torch.Generator().manual_seed(11)
+    vocab = min(model.config.vocab_size, 30000)
+    distinct = [torch.randint(0, vocab, (n,), generator=g).tolist()
+                for n in torch.randint(5, 61, (16,), generator=g).tolist()]
+    ref = greedy(model, distinct)
+    head = torch.randint(0, vocab, (40,), generator=g).tolist()
+    shared = [head + p[:20] for p in distinct[:8]]
+    return model, distinct + distinct[::-1], ref + ref[::-1], shared, greedy(model, shared)
+
+
+def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None) -> list[bool]:
+    """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache)."""
+    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=NEW)] * len(prompts))
+    if cached is not None:
+        cached.extend(r.cached_prompt_tokens for r in out)
+    return [r.token_ids == want for r, want in zip(out, ref)]
+
+
+@pytest.mark.parametrize("method, bs", [("none", 1), ("none", 4), ("none", 8), ("none", 16), ("none", 32),
+                                        ("draft_model", 1), ("draft_model", 8), ("draft_model", 32)])
+def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mixed_rows, bs, method):
+    """Rows of mixed prompt lengths, 48 new tokens each under a budget of 128, autoregressive at batch 1-32 and
+    with a draft model (fixed k=3): transformers' tokens, row for row."""
+    model, prompts, ref, _, _ = mixed_rows
+    spec = SpecConfig(method="none") if method == "none" else \
+        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
+    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
+    eng = SpecEngine(pair(model, draft), SamplingParams(max_new_tokens=128), spec, batch_size=bs, step_graphs=True)
+    same = equal_rows(eng, prompts, ref)
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch {bs} ({eng.step_path})"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
+    """Eight rows behind one 40-token prefix (the chat scenario's shape: a template every prompt begins with) at
+    batch 8, the prefix cache on and off: transformers' tokens, row for row."""
+    model, _, _, shared, ref = mixed_rows
+    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
+                     step_graphs=True, prefix_caching=prefix_caching)
+    cached = []
+    same = equal_rows(eng, shared, ref, cached)
+    assert all(same), f"{sum(same)}/8 rows equal transformers' behind a shared prefix ({eng.step_path})"
+    assert sorted(cached) == ([0] + [32] * 7 if prefix_caching else [0] * 8)  # 16-token blocks: one row computed
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
+@pytest.mark.parametrize("off", ["graphs", "compiled layer"])
+def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, monkeypatch):
+    """The check above at batch 8 with one part of the CUDA path off, the CUDA graphs or the compiled decoder layer:
+    where the check above fails, which of these passes says which part changes tokens."""
+    from specdec.exec.runner import ModelRunner
+
+    model, prompts, ref, _, _ = mixed_rows
+    if off == "compiled layer":
+        monkeypatch.setattr(ModelRunner, "compile_layers", False)
+    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
+                     step_graphs=off != "graphs")
+    same = equal_rows(eng, prompts, ref)
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, {off} off ({eng.step_path})"

@@ -226,7 +226,8 @@ class SpecEngine:
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
                                  additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
-                                 paged=self.kv_cache == "paged")
+                                 paged=self.kv_cache == "paged",
+                                 flex=self.kv_cache == "paged" and self.paged_attention == "flex")
 
     def resident_bytes(self) -> int:
         """Device bytes the engine holds between generate() calls: its caches, captured steps and kept prefixes."""

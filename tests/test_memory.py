@@ -276,6 +276,30 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
     assert peak.peak <= plan.budget
 
 
+@pytest.mark.parametrize("rows, blocks", [(4, 64), (16, 300)])
+def test_a_flex_steps_block_mask_takes_what_the_plan_counts(models, rows, blocks):
+    """A FlexAttention step over a paged pool (`paged_attention: flex`) builds a block mask over every pool block
+    for each of its rows: what it allocates is at most the plan's `FLEX_MASK_BYTES` per row and block (and more
+    than half of it), and an engine's plan counts it beside its captured steps only where it attends that way."""
+    from specdec.exec.cache import PagedKVCache, _FlexView
+
+    cache = PagedKVCache(models["target"], rows, 64 * BLOCK, blocks)
+    cache.table[:] = torch.randint(1, blocks, cache.table.shape)
+    positions = torch.full((rows, 4), 40 * BLOCK) + torch.arange(4)
+    with Peak() as peak:
+        view = _FlexView(cache, 0, rows, positions, 48 * BLOCK)
+    assert view.mask is not None
+    planned = memory.FLEX_MASK_BYTES * rows * blocks
+    assert planned / 2 < peak.peak <= planned + 4096, (peak.peak, planned)
+    lengths = [300, 40, 30, 50]
+    gather, flex = (make_engine(models, "none", bs=4, kv_cache="paged") for _ in range(2))
+    flex.paged_attention = "flex"
+    plans = [e.memory_plan() for e in (gather, flex)]
+    needs = [p.need(4, 512, 4, 400, max(lengths), pool=blocks * BLOCK) for p in plans]
+    assert not plans[0].flex and plans[1].flex
+    assert needs[1].graphs - needs[0].graphs == memory.FLEX_MASK_BYTES * 4 * blocks
+
+
 @pytest.mark.parametrize("method,spec", [("none", {}), ("draft_model", {}), ("draft_model", {"num_draft_tokens": 0})])
 def test_paged_rows_of_one_instruction_share_its_blocks_and_more_of_them_run_at_once(kept_graphs, monkeypatch,
                                                                                      method, spec):

@@ -10,7 +10,7 @@ allocation replaces them):
 - captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
   (logits and hidden states) for good; a key is (row bucket, width bucket, KV bucket, all positions or the last), and
   the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
-  working memory of one step;
+  working memory of one step (over a paged pool with `flex`, its block mask: `FLEX_MASK_BYTES` per row and block);
 - activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
   first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), a round (one step,
   and the float32 work on the draft's and the target's distributions) with one row's last chunk of prefill in
@@ -38,6 +38,10 @@ from .graphs import pow2_at_least, width_buckets
 from .prefix import shared_blocks, shared_tokens
 
 GiB = 1 << 30
+# a FlexAttention step's block mask per cache row and pool block (specdec/exec/cache.py `_FlexView`), at its peak
+# while built (tests/test_memory.py measures it): the blocks' columns, the table padded to the pool, the mask's
+# indices both ways and the sorts between
+FLEX_MASK_BYTES = 40
 STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)
 TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/exec/runner.py)
 ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order
@@ -198,6 +202,7 @@ class MemoryPlan:
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads
+    flex: bool = False  # captured steps over a paged pool attend with FlexAttention in place (a block mask each)
     held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (`prefix_room`)
     slack: int = GiB // 2
 
@@ -218,6 +223,8 @@ class MemoryPlan:
                      for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
         if graphs:  # and the pool keeps the working memory of the widest step captured
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
+            if self.flex and pool is not None:
+                graphs += FLEX_MASK_BYTES * rows * (pool // BLOCK)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
         round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \

@@ -43,11 +43,16 @@ def held(cache, rows: int, length: int) -> list[torch.Tensor]:
             for i in range(2)]
 
 
+@pytest.mark.parametrize("additive", [False, True])
 @pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_lean_forward_matches_transformers(target, layout):
+def test_lean_forward_matches_transformers(target, layout, additive, monkeypatch):
     """Prefill and a ragged multi-token step: hidden states and cache contents as transformers' modules
     compute them over a dense cache (float32; fused q/k/v may round differently in the last bits), the lean
-    forward's over a dense or a paged one."""
+    forward's over a dense or a paged one; with its masks boolean, or additive as CUDA's get them (made once a
+    forward, not by SDPA at every layer)."""
+    monkeypatch.setattr(llama, "ADDITIVE_MASKS", {DEVICE} if additive else set())
+    assert llama._rope_and_mask(llama.load_weights(target), torch.zeros((1, 1), dtype=torch.int64, device=DEVICE),
+                                4)[2].dtype == (target.dtype if additive else torch.bool)
     prefill, step, positions = ragged_inputs()
     w = llama.load_weights(target)
     hf, lean = RaggedKVCache(target, 4, 64), cache_of(target, layout)

@@ -61,6 +61,20 @@ def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mix
     assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch {bs} ({eng.step_path})"
 
 
+def test_greedy_rows_with_additive_masks_on_any_device(mixed_rows, monkeypatch):
+    """The masks CUDA's steps take (additive, made once a forward: specdec/exec/llama.py `sdpa_mask`) on whatever
+    device this runs, rows of mixed lengths at batch 8 with a draft model: transformers' tokens, row for row."""
+    from specdec.exec import llama
+
+    model, prompts, ref, _, _ = mixed_rows
+    monkeypatch.setattr(llama, "ADDITIVE_MASKS", {DEVICE})
+    spec = SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
+    eng = SpecEngine(pair(model, noisy_copy(model, 0.02)), SamplingParams(max_new_tokens=128), spec, batch_size=8,
+                     step_graphs=True)
+    same = equal_rows(eng, prompts, ref)
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' with additive masks ({eng.step_path})"
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
     """Eight rows behind one 40-token prefix (the chat scenario's shape: a template every prompt begins with) at

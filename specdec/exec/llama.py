@@ -238,7 +238,18 @@ def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
     sin = w.sin[positions][:, None]
     slots = torch.arange(kv_len, device=positions.device)
     mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
-    return cos, sin, mask.repeat(1, 1, w.heads // w.kv_heads, 1)
+    return cos, sin, sdpa_mask(mask.repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
+
+
+ADDITIVE_MASKS = {"cuda"}  # device types whose SDPA turns a boolean mask into an additive one at every call
+
+
+def sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as SDPA takes it on its device: where SDPA would turn it into an additive one (0 or
+    -inf in the queries' dtype) at every layer, that mask, made once for a forward's layers."""
+    if mask.dtype != torch.bool or mask.device.type not in ADDITIVE_MASKS:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
@@ -257,7 +268,7 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     positions = positions.clamp(max=cache.max_len - 1)
     cos, sin, causal = _rope_and_mask(w, positions, kv_len)
     if mask is not None:
-        causal = mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1)
+        causal = sdpa_mask(mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
     own = attend and slots is None and mask is None  # the queries sit at the slots they write
     slots = positions if slots is None else slots.clamp(max=cache.max_len - 1)
     kv = cache.view(start, start + n, slots, kv_len, attend=own)

@@ -87,8 +87,9 @@ class Shape:
         fused q/k/v ((heads + 2 kv_heads) hd), the roped q, its grouped copy and the attention's output (3 heads
         hd), the roped k (kv_heads hd), RoPE's cos and sin (2 hd); with the residual (d) while attention runs, and at
         the MLP with the residual's two updates and the normed input (4 d) and gate/up, activation and product (4
-        intermediate). The boolean mask (rows x group x tokens x kv bytes) lives across layers; while attention runs
-        on CUDA (`additive_mask`), torch's SDPA holds an additive copy in the dtype, its negation and an aligned copy.
+        intermediate). The boolean mask (rows x group x tokens x kv bytes) lives across layers; on CUDA
+        (`additive_mask`) so does its additive copy in the dtype (made once, beside its negation: llama.sdpa_mask),
+        and attention may hold an aligned copy (counted as a second negation and copy).
         Then the output: `all` logits [rows, tokens, vocab] and hidden states, the `last` position's of each row,
         or (`top_ids`: the prefill's most likely ids) a copy of the hidden states, the ids, and logits 2^26 at a time.
         Over a `paged` cache, attention reads a layer's keys and values gathered (and their pool slots, int64)."""

@@ -4,6 +4,7 @@ CPU, `small32k` (2 layers, 64 wide, 32k vocabulary) shows what a round costs bey
 
     python bench/step_speed.py [--shapes smollm2,llama1b,llama8b] [--batches 1,8,32,64] [--max-new 128]
                               [--paths generic,fast,fast-uncompiled] [--hf eager,compiled] [--deadline 540]
+                              [--kernels TOP]
 
 Every row: one generate() of `batch` random prompts of `--prompt-len` tokens, `--max-new` new tokens each
 (no stop tokens: every row runs to the limit), timed after an identical untimed run (compilation and
@@ -21,7 +22,9 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
 once allows at batch 1. `busy` (our paths, on a GPU): the device's time on the rounds (CUDA events from each
 round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host.
-Prints as it goes; stops starting new rows after --deadline seconds.
+`--kernels TOP`: after each shape's first row (its first path at its first batch size), one more generate() under
+torch.profiler lists what its steps run: kernels per step, device ms per step, and the TOP kernels by device time
+(on a CPU: ops by CPU time). Prints as it goes; stops starting new rows after --deadline seconds.
 """
 
 from __future__ import annotations
@@ -123,9 +126,11 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[float, float, str, float | None]:
+def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: int = 0,
+                 ) -> tuple[float, float, str, float | None, list[str]]:
     """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path, the device's
-    busy fraction: None off CUDA) of `method: none` on a path."""
+    busy fraction: None off CUDA, and with `kernels` the top kernels of its steps: `kernel_table`) of
+    `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
     paged = path.startswith("fast-paged")
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
@@ -137,7 +142,33 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int) -> tuple[f
     wall = timed(lambda: eng.generate(prompts))
     ModelRunner.compile_layers = None
     busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
-    return batch * max_new / wall, first, eng.step_path, busy
+    table = kernel_table(eng, prompts, kernels) if kernels else []
+    return batch * max_new / wall, first, eng.step_path, busy, table
+
+
+def kernel_table(eng: SpecEngine, prompts, top: int) -> list[str]:
+    """What a warm engine's steps run on the device, from one generate() under torch.profiler: kernels per step
+    and device ms per step, then the `top` kernels by device time, each with its share, calls per step and mean
+    microseconds (on a CPU: its ops, by their own CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = eng.device.type == "cuda"
+    before = eng.context.staging.rounds
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        eng.generate(prompts)
+        sync()
+    steps = max(1, eng.context.staging.rounds - before)
+    ran = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    us = {e.key: e.device_time_total if cuda else e.self_cpu_time_total for e in ran}
+    ran = sorted((e for e in ran if us[e.key] > 0), key=lambda e: -us[e.key])
+    total = sum(us.values()) or 1.0
+    lines = [f"# {'kernels' if cuda else 'ops'} per step {sum(e.count for e in ran) / steps:.0f}, "
+             f"{total / 1e3 / steps:.3f} ms per step ({steps} steps); the top {top}:",
+             f"#   {'share':>5s} {'per step':>8s} {'mean us':>8s}  name"]
+    lines += [f"#   {us[e.key] / total:5.2f} {e.count / steps:8.1f} {us[e.key] / e.count:8.1f}  {e.key[:100]}"
+              for e in ran[:top]]
+    return lines
 
 
 def hf_tok_s(model, kind: str, batch: int, prompts, max_new: int) -> tuple[float, float]:
@@ -167,6 +198,8 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (the real target, or small32k / tiny)")
     ap.add_argument("--out", default=None, help="also append every line to this file")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="after each shape's first path at its first batch size, list its steps' top kernels")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -202,10 +235,12 @@ def main():
                 break
             try:
                 if kind == "engine":
-                    tok_s, first, step_path, busy = engine_tok_s(model, name, batch, prompts[batch], args.max_new)
+                    profiled = args.kernels if (name, batch) == rows[0][::2] else 0
+                    tok_s, first, step_path, busy, table = engine_tok_s(model, name, batch, prompts[batch],
+                                                                        args.max_new, profiled)
                 else:
-                    (tok_s, first), step_path, busy = hf_tok_s(model, name.split()[1], batch, prompts[batch],
-                                                               args.max_new), "", None
+                    (tok_s, first), step_path, busy, table = hf_tok_s(model, name.split()[1], batch, prompts[batch],
+                                                                      args.max_new), "", None, []
             except Exception as exc:  # a reference that fails here is reported, not fatal
                 log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
                 continue
@@ -214,6 +249,8 @@ def main():
             bz = "-" if busy is None else f"{busy:.2f}"
             log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
                           f"{step_path}")
+            for line in table:
+                log(args.out, line)
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
             refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "generic", "hf eager", "hf compiled")
                     if (r, batch) in got and r != name]

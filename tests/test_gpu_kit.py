@@ -133,6 +133,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         speed = (out[stage] / "step_speed.txt").read_text()
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
+        assert re.search(r"^# ops per step \d+, \d+\.\d+ ms per step", speed, re.M), speed  # the profiled step
     for name in ("test_greedy_batches", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]

@@ -73,7 +73,7 @@ step() {  # step NAME SECONDS COMMAND...: the command under a time limit (its ou
 step_speed() {  # step_speed SHAPE PATHS SECONDS: rows stop starting at 4/7 of the budget (the last, compiled, ~3/7)
   step "step_speed $1" "$3" python3 bench/step_speed.py --device "$DEVICE" --shapes "$1" --paths "$2" \
     --batches "${KIT_BATCHES:-1,8,64}" --generic-batches 1 --hf "${KIT_HF:-eager,compiled}" --hf-batches 1 \
-    --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --deadline $(($3 * 4 / 7)) \
+    --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --deadline $(($3 * 4 / 7)) --kernels 12 \
     --out "$OUT/step_speed.txt"
 }
 

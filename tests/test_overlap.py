@@ -82,9 +82,10 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
 def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cache):
     """Eight prompts through a batch of 3 (dense rows, or a paged pool whose rows reserve only their own blocks: a
     rider writes within them) with stop tokens that end rows at rounds the host cannot foresee (they
-    ride the round queued after theirs, and leave late), greedy and sampled: every row's tokens, finish reason,
-    rounds and acceptance are those of rounds that wait for each other. Rounds are queued ahead, drafting or not,
-    but by prompt lookup (it drafts from the tokens the host reads back)."""
+    ride the round queued after theirs, and leave, and the next rows join, with that one still in flight), greedy
+    and sampled: every row's tokens, finish reason, rounds and acceptance are those of rounds that wait for each
+    other. Rounds are queued ahead, drafting or not, but by prompt lookup (it drafts from the tokens the host reads
+    back)."""
     stop = (23, 58)
     for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
                                                                       seed=5)):
@@ -100,6 +101,10 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
         goes_ahead = method != "prompt_lookup"
         assert (runs[True][1] > 0) == goes_ahead
         assert runs[True][2] >= runs[False][2]  # rounds that stopped rows rode
+        if goes_ahead:  # rows leave and join with a round in flight: all but the last rounds are followed (and,
+            # drafting, those where a joining 1-token prompt has no draft cache to catch up from the device)
+            followed, rounds = runs[True][1:]
+            assert followed >= rounds - (3 if spec.get("num_draft_tokens") else 2), (followed, rounds)
 
 
 def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):

@@ -11,7 +11,8 @@ A round is queued on the device whole (`launch`), its results copied back behind
 (`Readback`, `Staging`), and handled on the host when they land (`land`): one read-back per round. The rows' lengths
 and the draft cache's live on the device too, advanced there by each round's acceptance, so the next round is queued
 before the host reads the one before it back (the host bounds the shapes it needs: `Slots.in_flight`): the host's
-work overlaps the device's, rows that finished meanwhile ride one round and leave late. What every round reads
+work overlaps the device's, rows that finished meanwhile ride one round, and leave (others join) while it is still
+in flight, its results landing in the rows' new slots. What every round reads
 (the rule, verify widths, the clock, stop sets, output formats, the draft limit) is a `RoundContext` the engine
 builds once.
 Rows with an output format (specdec/spec/grammar.py) are verified under its masks, and then take the tokens it
@@ -101,6 +102,10 @@ class Readback:
                    "b" if t.dtype == torch.bool else "i") for (name, t), f in zip(given.items(), flat)]
         return packed, layout
 
+    def rows(self, index: list[int]) -> Readback:
+        """These rows' results, in this order."""
+        return replace(self, **{name: value[index] for name, value in vars(self).items() if value is not None})
+
     @classmethod
     def unpack(cls, host: np.ndarray, layout: list[tuple[str, int, tuple, str]]) -> Readback:
         at, out = 0, {}
@@ -124,6 +129,8 @@ class Verifying:
     chain: bool  # chains (or nothing) were verified, not a token tree
     host_s: float  # host seconds it took to queue
     timed: bool  # its time is a sample of its width's cost (no rows joined in its forward)
+    # where rows left while it was in flight (`Rounds.retire_finished`): the slot it ran each row of [0, len) now in
+    order: list[int] | None = None
 
 
 @dataclass
@@ -149,7 +156,7 @@ class Rounds:
         self.top_logprobs = max(logprobs) if logprobs else None  # most tokens per position (None: no logprobs)
         self.waiting = 0  # requests queued for a free row
         self.admitted = 0  # rows admitted since the last round's plan
-        self.leaving: list[int] = []  # rows that finished, which leave once no round is in flight
+        self.leaving: list[int] = []  # rows that finished, which leave before the next round is queued
         self.stop_ids = np.array(sorted(context.stop_ids), dtype=np.int64)  # what ends every row (`finish_plain`)
         self.staging = context.staging or Staging(batch.device)
 
@@ -158,25 +165,30 @@ class Rounds:
         the host reads back the one before it where it can be (`may_go_ahead`; a drafting one, where the proposer
         `drafts_ahead`, each row within the room the device counts): the host's work on round r overlaps the
         device's on round r + 1, whose inputs (lengths, the draft's catch-up) the device builds from round r's
-        outputs. Rows leave and join only while no round is in flight: a row that finished in a round
-        another already follows rides that one (its tokens dropped) and leaves after it."""
+        outputs. A row that finished in a round another already follows rides that one (its tokens dropped); it
+        leaves, and queued rows join, before the next round is queued, with that one still in flight where it
+        verified chains (`may_move`; its results land in the rows' new slots)."""
         b, flight = self.batch, None
         while queue or b.n:
             joining = None  # rows whose prefill ends in the next round's forward
-            if flight is None:
-                self.retire_finished()
+            if flight is None or (self.changes(queue) and self.may_move(flight)):
+                self.retire_finished(flight)
                 joining = self.join(queue)
                 if not b.n:
+                    if flight is not None:
+                        self.land(flight)  # riders only
+                        flight = None
                     continue
-            elif not self.may_go_ahead(flight, queue):
+            if flight is not None and not self.may_go_ahead(flight):
                 self.land(flight)
                 flight = None
-                continue
+                if joining is None:
+                    continue  # rows leave and join at the top, with nothing in flight
             limits = self.limits(b.n)
             if flight is not None and limits.any() and not b.proposer.drafts_ahead(b.n):
                 self.land(flight)  # the policy drafts after all (its plan knew round r - 1)
                 flight = None
-                if self.changes(queue):
+                if joining is None and self.changes(queue):
                     continue
                 limits = np.minimum(limits, self.draft_room(b.n))
             v = flight.verifying if flight is not None else None
@@ -189,24 +201,28 @@ class Rounds:
                 self.land(flight)
             flight = launched
 
-    def may_go_ahead(self, flight: Launched, queue: deque) -> bool:
+    def may_move(self, flight: Launched) -> bool:
+        """Whether rows may leave and join while `flight` is in flight: it verified chains, and nothing a round
+        reads from the host's rows (output formats, coupled noise) waits for its results."""
+        return self.context.overlap and flight.verifying.chain and self.batch.constraints is None \
+            and not self.context.rule.coupled
+
+    def may_go_ahead(self, flight: Launched) -> bool:
         """Whether the next round may be queued before `flight` is read back: the rows' lengths and the draft's
         cache are on the device (`Slots.lens_dev`), so what the host lacks is each row's exact length, and bounds do
-        for shapes: `flight` verified chains, not every row surely reaches max_new_tokens in it (a row that does
-        rides the next round, its tokens dropped, as one a stop token ends), no output format masks the next round,
-        randomness does not follow positions (coupled noise), a round after a drafting one drafts (if at all) with a
-        drafter that can go ahead, and no row is to leave or join first."""
+        for shapes: rows may move (`may_move`), not every row surely reaches max_new_tokens in `flight` (a row that
+        does rides the next round, its tokens dropped, as one a stop token ends), and a round after a drafting one
+        drafts (if at all) with a drafter that can go ahead."""
         b, n, v = self.batch, self.batch.n, flight.verifying
-        if not (self.context.overlap and v.chain and b.constraints is None and not self.context.rule.coupled):
+        if not self.may_move(flight):
             return False
         if (b.lens[:n] + 1 - b.slots.prompt_lens[:n] >= b.sp.host["max_new"][:n]).all():
             return False  # a round of riders only
         ahead = b.proposer.drafts_ahead(n)
         if v.forwards and not ahead:  # the proposer drafts from tokens the host has not read yet
             return False
-        if self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)):
-            return False  # a plan made now would miss what the round in flight tells it
-        return not self.changes(queue)
+        return not (self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)))  # a plan made now
+        # would miss what the round in flight tells it
 
     def changes(self, queue: deque) -> bool:
         """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""
@@ -348,17 +364,18 @@ class Rounds:
         b, v, clock = self.batch, launched.verifying, self.context.clock
         t0 = clock()
         out = self.landed(v)
-        fresh = [i for i in range(v.n) if not b.rows[i].done]  # riders take nothing
+        n = len(out.accepted)  # the rows it ran still in the batch
+        fresh = [i for i in range(n) if not b.rows[i].done]  # riders take nothing
         plain, own = self.plain_rows(fresh, out)
         emitted = self.finish_plain(plain, out, launched.forwards)
         emitted += sum(self.finish(i, out, launched.forwards) for i in own)
         emitted += self.jump_forward(fresh)
         self.leaving += [i for i in fresh if b.rows[i].done]
-        finished = np.zeros(v.n, dtype=bool)
+        finished = np.zeros(n, dtype=bool)
         finished[self.leaving] = True
         seconds = self.seconds(launched.host_s + clock() - t0, v.flight) if launched.timed else None
-        self.policy.observe(RoundResult(v.n, out.drafted, out.accepted, finished, seconds, launched.host_depth,
-                                        v.width))
+        depth = launched.host_depth if v.order is None or launched.host_depth is None else launched.host_depth[v.order]
+        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, depth, v.width))
         if self.on_round is not None:
             self.on_round(emitted)
 
@@ -369,10 +386,24 @@ class Rounds:
         device = flight.seconds(since)
         return host if device is None else max(host, device)
 
-    def retire_finished(self) -> None:
-        """Rows that finished leave the batch (descending: the last active row is never a finished one)."""
-        for i in sorted(self.leaving, reverse=True):
-            self.retire(i)
+    def retire_finished(self, flight: Launched | None = None) -> None:
+        """Rows that finished leave the batch (descending: the last active row is never a finished one), with
+        `flight` in flight or none: the rows it ran that stay are told apart by where it ran them
+        (`Verifying.order`), and a row moving into a hole takes the slots the round may have written past the
+        host's count."""
+        b, v = self.batch, None if flight is None else flight.verifying
+        if v is not None and self.leaving:
+            v.order = list(range(v.n)) if v.order is None else v.order
+            assert len(v.order) == b.n, "rows joined before the round in flight landed"
+            b.slots.in_flight = v.growth
+        try:
+            for i in sorted(self.leaving, reverse=True):
+                if v is not None:
+                    v.order[i] = v.order[b.n - 1]
+                    v.order.pop()
+                self.retire(i)
+        finally:
+            b.slots.in_flight = 0
         self.leaving = []
 
     def draws(self, n: int, width: int) -> Draws:
@@ -434,9 +465,12 @@ class Rounds:
         land in the order they were queued: its lengths are those before this one)."""
         clock, t0 = self.context.clock, self.context.clock()
         out = Readback.unpack(v.flight.wait(), v.layout)
-        lens = self.batch.lens[: v.n].copy()
-        self.batch.grow(v.n, lens, out.accepted)
-        self.batch.proposer.commit(v.n, lens, out.accepted, v.forwards)
+        if v.order is not None:  # rows left while it was in flight: the results of those that stay, where they are
+            out = out.rows(v.order)
+        n = len(out.accepted)
+        lens = self.batch.lens[:n].copy()
+        self.batch.grow(n, lens, out.accepted)
+        self.batch.proposer.commit(n, lens, out.accepted, v.forwards)
         if self.context.widths and v.timed:
             self.context.widths.observe(v.n, v.width, self.seconds(v.host_s + clock() - t0, v.flight, "verify"))
         return out

@@ -115,7 +115,10 @@ class Slots:
         if src == dst:
             return
         for cache, length in self._caches:
-            (cache.copy_row if copy is None else cache.move_row)(src, dst, int(length[src]))
+            if copy is None:
+                cache.copy_row(src, dst, int(length[src]))
+            else:  # a round in flight may have written a few slots past the host's count (junk past it is masked)
+                cache.move_row(src, dst, int(length[src]) + (self.in_flight + 2 if self.in_flight else 0))
         for values, _ in self._values.values():
             values[dst] = values[src]
         for objects, copy_object in self._objects.values():

@@ -53,8 +53,8 @@ def test_plain_rounds_queue_the_next_before_reading_back(target, prompts, refere
 def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prompts, reference, k):
     """Four rows drafting k tokens a round with a draft model, 64 new tokens each: the next round (its draft's
     catch-up and its verification built on the device from this round's outputs, each row's draft within the room
-    the device counts before max_new_tokens) is queued before the host reads this one back, but where a row leaves
-    (four rows: at most four such rounds, and the last); tokens, rounds and acceptance are those of rounds that
+    the device counts before max_new_tokens) is queued before the host reads this one back, in all but two rounds
+    (the four rows leave with a round in flight); tokens, rounds and acceptance are those of rounds that
     wait for each other (their rounds too, but perhaps one: where the last rows reach max_new_tokens by accepting
     more than the host could foresee, the round queued after rides empty), and the first 24 tokens transformers'
     greedy ones."""
@@ -68,7 +68,7 @@ def test_drafting_rounds_queue_the_next_before_reading_back(target, drafts, prom
     assert runs[True][0] == runs[False][0]
     followed, rounds = runs[True][1:]
     assert runs[False][1] == 0 and runs[False][2] <= rounds <= runs[False][2] + 1
-    assert followed >= rounds - 5, (followed, rounds)
+    assert followed >= rounds - 2, (followed, rounds)  # rows leave with a round in flight: leaving costs none
 
 
 @pytest.mark.parametrize("method, spec, kv_cache", [

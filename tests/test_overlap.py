@@ -5,6 +5,7 @@ rounds that wait for each other give."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_models import MAX_NEW, engine, pair
 
@@ -113,7 +114,6 @@ def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
     random read-backs, stop tokens anywhere among x_1..x_a, y (or past them), rows near max_new_tokens."""
     import copy
 
-    import numpy as np
 
     from specdec.config import SampleResult
     from specdec.plan.policies import FixedLength
@@ -157,3 +157,31 @@ def test_the_default_policy_drafting_ahead_keeps_greedy_tokens(target, drafts, p
     out = eng.generate(prompts)
     assert [r.token_ids for r in out] == reference
     assert sum(r.drafted_tokens for r in out) > 0 and ahead(events)[0] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_rows_moving_with_a_round_in_flight_change_nothing(target, drafts, seed):
+    """Random jobs of rows that leave and join while a round is in flight, against the same rounds waiting for each
+    other: prompts of 1-40 tokens, some sharing a 20-token prefix (the prefix store), some with 2 samples (a copy
+    of the first's caches), each row its own max_new_tokens (4-24), greedy or sampled, stop tokens; batches of 2-5,
+    dense or paged, small prefill chunks, plain or drafting (fixed k=1..3). Every row's tokens, finish reason,
+    rounds and acceptance are the same, and most rounds were queued ahead."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(0, 96, 20).tolist()
+    prompts = [(head if rng.random() < 0.3 else []) + rng.integers(0, 96, int(rng.integers(1, 21))).tolist()
+               for _ in range(int(rng.integers(6, 12)))]
+    params = [SamplingParams(max_new_tokens=int(rng.integers(4, 25)), n=int(rng.choice([1, 1, 2])),
+                             temperature=float(rng.choice([0.0, 0.8])), seed=seed) for _ in prompts]
+    k = int(rng.integers(0, 4))
+    spec = {"method": "draft_model", "draft_length": "fixed", "num_draft_tokens": k} if k else {"method": "none"}
+    kv, bs, chunk = str(rng.choice(["dense", "paged"])), int(rng.integers(2, 6)), int(rng.choice([8, 32, 2048]))
+    runs = {}
+    for overlap in (True, False):
+        events = []
+        eng = SpecEngine(pair(target, drafts["noisy"], (23, 58)), SamplingParams(max_new_tokens=24), SpecConfig(**spec),
+                         batch_size=bs, overlap=overlap, kv_cache=kv, prefill_chunk=chunk)
+        eng.context.staging.trace = lambda event, r, events=events: events.append((event, r))
+        runs[overlap] = (results(eng.generate(prompts, params=params)), *ahead(events))
+    assert runs[True][0] == runs[False][0], (seed, kv, bs, chunk, spec)
+    followed, rounds = runs[True][1:]
+    assert followed >= rounds // 2, (followed, rounds, seed)

@@ -114,7 +114,6 @@ def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
     random read-backs, stop tokens anywhere among x_1..x_a, y (or past them), rows near max_new_tokens."""
     import copy
 
-
     from specdec.config import SampleResult
     from specdec.plan.policies import FixedLength
     from specdec.sched.batch import Row

@@ -184,3 +184,20 @@ def test_rows_moving_with_a_round_in_flight_change_nothing(target, drafts, seed)
     assert runs[True][0] == runs[False][0], (seed, kv, bs, chunk, spec)
     followed, rounds = runs[True][1:]
     assert followed >= rounds // 2, (followed, rounds, seed)
+
+
+@pytest.mark.parametrize("method, spec", [("none", {}),
+                                          ("draft_model", {"draft_length": "fixed", "num_draft_tokens": 2})])
+def test_coupled_rounds_go_ahead_and_keep_their_tokens(target, drafts, prompts, method, spec):
+    """Coupled sampling's noise is keyed by each row's output positions, taken from the device's lengths: rounds
+    are queued ahead (rows leaving and joining with a round in flight), and every sampled row's tokens, rounds and
+    acceptance are those of rounds that wait, 8 prompts through a batch of 3 with stop tokens."""
+    runs = {}
+    for overlap in (True, False):
+        eng, events = traced(target, drafts["noisy"], overlap, bs=3, stop=(23, 58), method=method,
+                             sampling="coupled", **spec)
+        eng.sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=7)
+        runs[overlap] = (results(eng.generate(prompts)), *ahead(events))
+    assert runs[True][0] == runs[False][0]
+    followed, rounds = runs[True][1:]
+    assert runs[False][1] == 0 and followed >= rounds - 3, (followed, rounds)

@@ -202,10 +202,9 @@ class Rounds:
             flight = launched
 
     def may_move(self, flight: Launched) -> bool:
-        """Whether rows may leave and join while `flight` is in flight: it verified chains, and nothing a round
-        reads from the host's rows (output formats, coupled noise) waits for its results."""
-        return self.context.overlap and flight.verifying.chain and self.batch.constraints is None \
-            and not self.context.rule.coupled
+        """Whether rows may leave and join while `flight` is in flight: it verified chains, and no output format
+        (read from the host's rows) waits for its results."""
+        return self.context.overlap and flight.verifying.chain and self.batch.constraints is None
 
     def may_go_ahead(self, flight: Launched) -> bool:
         """Whether the next round may be queued before `flight` is read back: the rows' lengths and the draft's
@@ -415,7 +414,8 @@ class Rounds:
             return Draws(m)
         if self.context.rule.coupled:
             keys = [None if r.generator is None else r.generator.initial_seed() for r in b.rows[:n]]
-            return Draws(m, noise=sampling.gumbel(keys, b.lens[:n], width, b.vocab_size, b.device))
+            # positions from the device's lengths: a round in flight may have grown them
+            return Draws(m, noise=sampling.gumbel(keys, b.slots.lens_dev[:n], width, b.vocab_size, b.device))
         return Draws(m, uniforms=sampling.uniforms([r.generator for r in b.rows[:n]], 2 * m + 1, b.device))
 
     def verify(self, n: int, draft: Draft, width: int, rows: Rows, draws: Draws,

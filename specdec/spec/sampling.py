@@ -185,26 +185,29 @@ def noise_key(key: int) -> list[int]:
     return [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4)]
 
 
-def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, device,
+def gumbel(keys: list[int | None], start: np.ndarray | torch.Tensor, width: int, vocab: int, device,
            blocks: int | None = None) -> torch.Tensor:
     """[n, width, vocab] float32 Gumbel noise for output positions start[i] .. start[i] + width - 1 of each row,
     drawn on `device`: token t at position p of a row with key k is -log(-log u), u the 53-bit uniform of words
     (2 (t % 2), 2 (t % 2) + 1) of Philox4x32-10 at counter (t // 2, p, h2, h3) under key (h0, h1), h = `noise_key`
     (k). A value depends on (k, p, t) alone, not on the batch, width, vocab, device or `blocks` (Philox blocks per
-    pass). A row without a key (greedy) gets zeros. The host builds one [rows, 5] table (hash words and start) and
-    copies it once; the rest is a fixed sequence of tensor ops per pass on the device (which needs float64), none
-    per (row, position)."""
+    pass). A row without a key (greedy) gets zeros. `start` may be on the device (rows' lengths a round in flight
+    advanced there). The host builds one [rows, 6] table (hash words, start, row) and copies it once; the rest is a
+    fixed sequence of tensor ops per pass on the device (which needs float64), none per (row, position)."""
     n, device = len(keys), torch.device(device)
     keyed = [i for i, key in enumerate(keys) if key is not None]
     if not keyed or width == 0 or vocab == 0:
         return torch.zeros((n, width, vocab), device=device)
-    table = torch.tensor([noise_key(keys[i]) + [int(start[i])] for i in keyed], dtype=torch.int64)  # [m, 5]
+    on_device = isinstance(start, torch.Tensor)
+    table = torch.tensor([noise_key(keys[i]) + [0 if on_device else int(start[i]), i] for i in keyed],
+                         dtype=torch.int64)  # [m, 6]
     if device.type == "cuda":  # a pinned copy: the host does not wait for the device
         table = table.pin_memory()
     table = table.to(device, non_blocking=True)
+    at = start.to(device, torch.int64).index_select(0, table[:, 5])[:, None] if on_device else table[:, 4:5]
     # one stream per (row, position): its hash words and position, [streams, 1] against blocks [1, cols]
     words = [table[:, i].repeat_interleave(width)[:, None] for i in range(4)]
-    positions = (table[:, 4:5] + torch.arange(width, device=device)).view(-1, 1)
+    positions = (at + torch.arange(width, device=device)).view(-1, 1)
     streams, per_stream = len(keyed) * width, (vocab + 1) // 2  # a Philox block is two 53-bit uniforms
     blocks = blocks or _pass_blocks(device)
     cols = min(per_stream, blocks)
@@ -221,7 +224,7 @@ def gumbel(keys: list[int | None], start: np.ndarray, width: int, vocab: int, de
     noise = out.view(len(keyed), width, 2 * per_stream)[..., :vocab]
     if len(keyed) == n:
         return noise.contiguous()
-    return torch.zeros((n, width, vocab), device=device).index_copy_(0, torch.tensor(keyed, device=device), noise)
+    return torch.zeros((n, width, vocab), device=device).index_copy_(0, table[:, 5], noise)
 
 
 def uniforms(generators: list[torch.Generator | None], count: int, device) -> torch.Tensor:

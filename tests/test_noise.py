@@ -78,6 +78,8 @@ def test_noise_is_a_function_of_key_position_and_token_alone():
     assert len({tuple(s.tolist()) for s in streams}) == 18
     # the same key at another position, or another key: other values
     assert not torch.equal(sampling.gumbel([12], np.array([0]), 1, 101, "cpu")[0, 0], full[0, 0])
+    # positions the device holds (a round in flight's lengths) draw what the same host positions draw
+    assert torch.equal(sampling.gumbel(keys, torch.from_numpy(start), 6, 101, "cpu"), full)
 
 
 def test_noise_uniforms_are_uniform():
@@ -145,6 +147,8 @@ def test_noise_is_drawn_on_the_device_in_a_fixed_number_of_ops(device, monkeypat
         counts[n, width] = mode.ops
         assert out.shape == (n, width, 50) and out.dtype == torch.float32 and out.device.type == device
     assert counts[2, 2] == counts[16, 8]
+    # the positions on the device (the rows' lengths a round in flight advanced): the same values
+    assert torch.equal(sampling.gumbel(list(range(16)), torch.arange(16, device=device), 8, 50, device), out)
     if device != "cpu":  # integer words bit for bit; the device's float64 log may differ from the CPU's in an ulp
         cpu = sampling.gumbel(list(range(16)), np.arange(16), 8, 50, "cpu")
         torch.testing.assert_close(out.cpu(), cpu, rtol=1e-6, atol=1e-6)

@@ -18,7 +18,8 @@
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
 # KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S,
-# KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on PYTHONPATH).
+# KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on
+# PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
@@ -83,8 +84,8 @@ gpu_tests() {  # each entry in its own process, side by side, each under its own
   for f in $TESTS; do
     n=$(basename "${f%%+*}" .py)
     ( t0=$SECONDS
-      SPECBATCH_TEST_DEVICE=$DEVICE timeout -s INT -k 15 "$secs" python3 -m pytest -q -p no:cacheprovider -rfE --durations=5 \
-        ${KIT_TEST_K:+-k "$KIT_TEST_K"} ${f//+/ } >"$OUT/$n.txt" 2>&1
+      SPECBATCH_TEST_DEVICE=$DEVICE timeout -s INT -k 15 "$secs" python3 -m pytest -q -p no:cacheprovider -rfE \
+        --durations=5 ${KIT_TEST_K:+-k "$KIT_TEST_K"} ${f//+/ } >"$OUT/$n.txt" 2>&1
       echo "# ${f%%+*}: exit $? after $((SECONDS - t0)) s (budget $secs s; files: ${f//+/ })" >>"$OUT/$n.txt" ) &
   done
   wait

@@ -220,8 +220,8 @@ class Rounds:
         ahead = b.proposer.drafts_ahead(n)
         if v.forwards and not ahead:  # the proposer drafts from tokens the host has not read yet
             return False
-        return not (self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)))  # a plan made now
-        # would miss what the round in flight tells it
+        # a drafter that cannot go ahead: a plan made now would miss what the round in flight tells it
+        return not (self.max_draft and not ahead and self.policy.drafts_soon(self.view(n)))
 
     def changes(self, queue: deque) -> bool:
         """Whether rows leave or join before the next round: some finished, or a queued request fits a free row."""
@@ -373,8 +373,9 @@ class Rounds:
         finished = np.zeros(n, dtype=bool)
         finished[self.leaving] = True
         seconds = self.seconds(launched.host_s + clock() - t0, v.flight) if launched.timed else None
-        depth = launched.host_depth if v.order is None or launched.host_depth is None else launched.host_depth[v.order]
-        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, depth, v.width))
+        # (a token tree's depths: rows never move while a tree is in flight, `may_move`)
+        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, launched.host_depth,
+                                        v.width))
         if self.on_round is not None:
             self.on_round(emitted)
 

@@ -7,7 +7,8 @@ prompt lookup and stop checks read it) and its prompt's length (`prompt_lens`). 
 sampling settings, its rows of each model's KV cache, a proposer's n-gram pool, a policy's estimate of it, its
 output format's matcher) a part registers once (`add`, `add_host`, `add_objects`, `add_cache`). A finished row
 leaves by swap-remove (the last active row moves into its slot: `move`), a sample of a prompt already admitted
-starts as a copy of the row holding it (`copy`), and new rows start at each entry's fill value (`admit`). Proposers, policies and output formats see a batch as its `Slots`.
+starts as a copy of the row holding it (`copy`), and new rows start at each entry's fill value (`admit`).
+Proposers, policies and output formats see a batch as its `Slots`.
 """
 
 from __future__ import annotations

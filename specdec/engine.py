@@ -14,9 +14,9 @@ accepted_tokens + rounds` holds exactly; `method: none` is the same loop with k 
 
 The host keeps what it already knows (row lengths, draft lengths, the policy's K) and a round reads
 the device back once, at its end: no forward, draft step or policy waits on the GPU mid-round, except
-the draft steps of a policy that stops rows on the draft's own outputs (`LengthPolicy.stopper`). The
-models' KV caches belong to the engine and outlive `generate()` calls, so the CUDA graphs captured on
-them do too (specdec/exec/runner.py); on a GPU their size comes from a memory plan (specdec/exec/memory.py).
+the draft steps of a policy that stops rows on the draft's own outputs (`LengthPolicy.stopper`), where no round is
+in flight or on a CPU. The models' KV caches belong to the engine and outlive `generate()` calls, so the CUDA graphs
+captured on them do too (specdec/exec/runner.py); on a GPU their size comes from a memory plan (specdec/exec/memory.py).
 """
 
 from __future__ import annotations

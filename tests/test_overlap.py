@@ -201,3 +201,44 @@ def test_coupled_rounds_go_ahead_and_keep_their_tokens(target, drafts, prompts, 
     assert runs[True][0] == runs[False][0]
     followed, rounds = runs[True][1:]
     assert runs[False][1] == 0 and followed >= rounds - 3, (followed, rounds)
+
+
+@pytest.mark.parametrize("policy", ["confidence", "fed", "proposing"])
+def test_rounds_of_policies_that_stop_on_the_drafts_outputs_go_ahead(target, drafts, prompts, policy, tmp_path,
+                                                                     monkeypatch):
+    """Where a read waits for every round in flight (a GPU), a policy that stops rows on the draft's outputs
+    (confidence; SpecDec++'s head, reading the state that drew a token or the one after it was fed) drafts a round
+    queued ahead to its limit without reading whether rows stopped: each row proposes what it would have, so every
+    token, finish reason and statistic is what rounds that wait give, 8 prompts through a batch of 3 with stop
+    tokens, greedy and sampled; a round queued ahead reads nothing but its results (counted as `HostReads`). Forced
+    on this CPU, where reading is free and such rounds stop early, and wait."""
+    import torch
+    from test_fastpath import HostReads
+
+    from specdec.plan.head import AcceptanceHead, HeadConfig
+    from specdec.spec.proposers.draft_model import DraftModelProposer
+
+    if policy == "confidence":
+        spec = {"draft_length": "confidence", "confidence_threshold": 0.5}
+    else:  # a random head: rows stop at different steps
+        torch.manual_seed(11)
+        head = AcceptanceHead(HeadConfig(hidden_size=64, num_layers=1, reads=policy))
+        head.save(str(tmp_path))
+        spec = {"draft_length": "acceptance_head", "acceptance_head": {"path": str(tmp_path), "threshold": 0.6}}
+    for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
+                                                                      seed=5)):
+        runs = {}
+        for ahead_too in (True, False):
+            monkeypatch.setattr(DraftModelProposer, "stops_ahead", property(lambda self, a=ahead_too: a))
+            eng, events = traced(target, drafts["noisy"], bs=3, stop=(23, 58), method="draft_model",
+                                 max_draft_tokens=5, **spec)
+            eng.sampling = sp
+            with HostReads() as reads:
+                out = results(eng.generate(prompts))
+            runs[ahead_too] = (out, *ahead(events), reads.count - eng.context.staging.rounds)
+        assert runs[True][0] == runs[False][0]
+        lengths = {d for r in runs[True][0] for d in r[3]}
+        assert len(lengths) > 2, lengths  # rows stopped at different steps
+        followed, rounds, stops_read = runs[True][1:]
+        assert runs[False][1] == 0 and followed >= rounds - 3, (followed, rounds)
+        assert stops_read <= 4 * (rounds - followed) < runs[False][3], (stops_read, runs[False][3])  # 4: steps - 1

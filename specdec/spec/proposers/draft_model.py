@@ -6,9 +6,11 @@ speculation, the whole row if it joined while the policy was not drafting), then
 forward. Rows whose policy stopped them keep riding along in the batch forward (their extra tokens
 are not proposed), so the whole batch stays one tensor. What the draft cache holds of each row is
 host state (`d_len`), updated from the round's read-back, and device state (`d_len_dev`), advanced as
-the round is queued: drafting never waits on the device, unless the policy stops rows on the draft's
-outputs (its `stopper`), and a round can be drafted before the one before it is read back
-(`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A stopper that
+the round is queued: drafting never waits on the device, and a round can be drafted before the one before it is
+read back (`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A policy that stops
+rows on the draft's outputs (its `stopper`) ends the draft steps once every row stopped, a host read per step; a
+round queued ahead runs them to the limit instead (`stops_ahead`: where the device runs behind the host, not on a
+CPU, whose reads cost nothing), its rows' lengths the same, counted on the device. A stopper that
 reads the state after a token was fed back (SpecDec++'s head) decides once that forward ran, and its
 logits give the row's next token for free: the row proposes it too, as SpecDec++'s reference does.
 """
@@ -99,10 +101,17 @@ class DraftModelProposer(Proposer):
         return self.prefill.store is not None and not self.d_len[:n].all()
 
     def drafts_ahead(self, n: int) -> bool:
-        """No stopper reads the draft's outputs, no output format constrains it, and every row's draft cache
-        holds its prompt: the catch-up is a step of a few tokens over the device's lengths."""
-        return self.stopper is None and (self.constraints is None or not self.constraints.rows(n)) \
-            and bool(self.d_len[:n].all())
+        """No stopper reads the draft's outputs (or its rounds may go ahead: `stops_ahead`), no output format
+        constrains it, and every row's draft cache holds its prompt: the catch-up is a step of a few tokens over the
+        device's lengths."""
+        return (self.stopper is None or self.stops_ahead) and \
+            (self.constraints is None or not self.constraints.rows(n)) and bool(self.d_len[:n].all())
+
+    @property
+    def stops_ahead(self) -> bool:
+        """Whether a stopper's rounds go ahead, each drafting to its limit without reading whether rows stopped: on
+        a device the host queues work for (a read there waits for every round in flight), not on a CPU."""
+        return self.slots.device.type != "cpu"
 
     def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
         s, stop, dev = self.slots, self.stopper, self.slots.device
@@ -156,7 +165,7 @@ class DraftModelProposer(Proposer):
                 active &= limits_dev > step + 1
                 if not stop.after_feed:
                     active &= stop.keep(step, token_prob, h)
-                if step + 1 == k_max or not bool(active.any()):  # a host sync: rows stop on the draft's outputs
+                if step + 1 == k_max or (not s.in_flight and not bool(active.any())):  # a host read, unless ahead
                     break
             elif step + 1 == k_max:
                 break

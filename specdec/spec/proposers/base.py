@@ -46,6 +46,12 @@ class Proposer:
         device's lengths alone, without that round's tokens on the host."""
         return False
 
+    @property
+    def ahead_pays(self) -> bool:
+        """Whether drafting ahead at a cost pays (a draft run to its limit, a verification as wide as the limits):
+        where a read waits for every round queued on the device (a GPU), not on a CPU, where it costs nothing."""
+        return self.slots.device.type != "cpu"
+
     def advance(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor, forwards: int) -> None:
         """On the device, as the round is queued: it accepted `accepted` [n] of the drafted tokens of rows whose
         length was `old_len` [n], after `forwards` draft forwards."""

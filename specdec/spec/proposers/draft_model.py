@@ -9,8 +9,8 @@ host state (`d_len`), updated from the round's read-back, and device state (`d_l
 the round is queued: drafting never waits on the device, and a round can be drafted before the one before it is
 read back (`drafts_ahead`: the catch-up's tokens and positions come from the device's lengths). A policy that stops
 rows on the draft's outputs (its `stopper`) ends the draft steps once every row stopped, a host read per step; a
-round queued ahead runs them to the limit instead (`stops_ahead`: where the device runs behind the host, not on a
-CPU, whose reads cost nothing), its rows' lengths the same, counted on the device. A stopper that
+round queued ahead runs them to the limit instead, where that pays (`ahead_pays`: not on a CPU, whose reads cost
+nothing), its rows' lengths the same, counted on the device. A stopper that
 reads the state after a token was fed back (SpecDec++'s head) decides once that forward ran, and its
 logits give the row's next token for free: the row proposes it too, as SpecDec++'s reference does.
 """
@@ -101,17 +101,11 @@ class DraftModelProposer(Proposer):
         return self.prefill.store is not None and not self.d_len[:n].all()
 
     def drafts_ahead(self, n: int) -> bool:
-        """No stopper reads the draft's outputs (or its rounds may go ahead: `stops_ahead`), no output format
+        """No stopper reads the draft's outputs (or drafting to the limit pays: `ahead_pays`), no output format
         constrains it, and every row's draft cache holds its prompt: the catch-up is a step of a few tokens over the
         device's lengths."""
-        return (self.stopper is None or self.stops_ahead) and \
+        return (self.stopper is None or self.ahead_pays) and \
             (self.constraints is None or not self.constraints.rows(n)) and bool(self.d_len[:n].all())
-
-    @property
-    def stops_ahead(self) -> bool:
-        """Whether a stopper's rounds go ahead, each drafting to its limit without reading whether rows stopped: on
-        a device the host queues work for (a read there waits for every round in flight), not on a CPU."""
-        return self.slots.device.type != "cpu"
 
     def propose(self, n: int, limits: np.ndarray, rows: Rows, draws: Draws, siblings: int | None = None) -> Draft:
         s, stop, dev = self.slots, self.stopper, self.slots.device

@@ -3,7 +3,10 @@
 Each row keeps a pool mapping every n-gram (n = 1..`max_ngram`) of its prompt and output to the
 positions that follow each of its occurrences, updated as tokens are accepted (`NgramPool.extend`: the
 n-grams ending at each new token, never a rescan). Plain prompt lookup drafts the continuation of the
-latest occurrence of the longest suffix n-gram that hits (down to `min_ngram`).
+latest occurrence of the longest suffix n-gram that hits (down to `min_ngram`). A round queued while the one
+before is in flight finds the same chains on the device (`device_chains`: every window of the rows' tokens there
+against their suffixes, up to the device's lengths), so it needs none of that round's tokens on the host (on a GPU:
+its verification is as wide as the limits, not the longest chain found).
 
 AASD (`alignment_sampling` = s > 0) makes the draft a token tree (specdec/spec/trees.py) with at most s
 siblings per node (the length policy may ask for fewer in a round: `siblings`, 0 = the chain alone)
@@ -21,6 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+import torch
 
 from ...exec.inputs import to_device
 from ..draft import Draft, Tree
@@ -68,12 +73,19 @@ class PromptLookupProposer(Proposer):
         # a sample sharing a prompt starts with a pool of its own: rows grow apart
         self.pools: list[NgramPool | None] = slots.add_objects("ngram_pool", lambda src, dst: self.new_pool())
         self.top_ids: list[np.ndarray | None] = slots.add_objects("prompt_top_ids")  # [prompt_len - 1, s + 1]
+        self.prompt_lens_dev = slots.add("prompt_len_dev")  # on the device: which drafted tokens are the prompt's
 
     def admit(self, start: int, end: int, target_top_ids: np.ndarray | None = None, drafting: bool = True) -> None:
         for slot in range(start, end):
             self.pools[slot] = self.new_pool()
             prompt = int(self.slots.prompt_lens[slot])
             self.top_ids[slot] = None if target_top_ids is None else target_top_ids[slot - start, : prompt - 1]
+        self.prompt_lens_dev[start:end] = to_device(self.slots.prompt_lens[start:end], self.slots.device)
+
+    def drafts_ahead(self, n: int) -> bool:
+        """Chains are drafted on the device (`device_chains`, verified as wide as the limits, where that pays:
+        `ahead_pays`); token trees (alignment sampling) from the host's tokens."""
+        return self.cfg.alignment_sampling == 0 and self.ahead_pays
 
     def new_pool(self) -> NgramPool:
         return NgramPool(self.cfg.max_ngram, self.cfg.min_ngram)
@@ -137,6 +149,8 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, n: int, limits: np.ndarray, rows=None, draws=None, siblings: int | None = None) -> Draft:
         s = self.cfg.alignment_sampling if siblings is None else min(siblings, self.cfg.alignment_sampling)
+        if s == 0 and self.slots.in_flight:  # the host lacks the round in flight's tokens
+            return self.device_chains(n, limits)
         rows = [self._row(i, int(limit), s) for i, limit in enumerate(limits.tolist())]
         t = max((len(r[0]) for r in rows), default=0)
         # one host array, one copy: lengths, then tokens, parents, depths and relaxed flags
@@ -154,6 +168,31 @@ class PromptLookupProposer(Proposer):
         tree = Tree(parent, depth, int(row_depth.max(initial=0)), host[:, 1 + t : 1 + 2 * t]) if branched else None
         return Draft(tokens, both[:, 0], tree=tree, relaxed=relaxed.bool(), host_tokens=host[:, 1 : 1 + t],
                      host_depth=row_depth if branched else None)
+
+    def device_chains(self, n: int, limits: np.ndarray) -> Draft:
+        """The chains `_row` drafts with no siblings, found on the device from its tokens and lengths (`Slots.seq`,
+        `lens_dev`): for each n-gram size, longest first, every window of a row's tokens that ends before its last
+        token is compared with its suffix; a row drafts after the latest hit of the longest size that hits, up to
+        limits[i] tokens, its last token and the room the device counts before max_new_tokens."""
+        s, dev, k = self.slots, self.slots.device, int(limits.max(initial=0))
+        if k == 0:
+            return Draft.empty(n, dev)
+        lens = s.lens_dev[:n]
+        width = min(int(s.lens[:n].max()) + s.in_flight, s.max_len)  # no row is longer
+        seq = s.seq[:n, :width]
+        start = torch.full((n,), -1, dtype=torch.int64, device=dev)  # where each row's draft starts (-1: no hit)
+        for g in range(min(self.cfg.max_ngram, width - 1), self.cfg.min_ngram - 1, -1):
+            cols = width - g  # windows seq[c : c + g] followed by a token within the bound
+            suffix = seq.gather(1, (lens[:, None] - g + torch.arange(g, device=dev)).clamp(min=0))  # [n, g]
+            at = torch.arange(cols, device=dev)
+            hit = (seq.unfold(1, g, 1)[:, :cols] == suffix[:, None, :]).all(-1) & (at <= (lens - g - 1)[:, None])
+            latest = torch.where(hit, at, -1).amax(1)
+            start = torch.where((start < 0) & (latest >= 0), latest + g, start)
+        room = torch.minimum(to_device(limits, dev), (s.ends_dev[:n] - lens - 1).clamp(min=0))
+        lengths = torch.where(start >= 0, torch.minimum(room, lens - start), 0)
+        at = start[:, None] + torch.arange(k, device=dev)
+        tokens = s.seq[:n].gather(1, at.clamp(0, s.max_len - 1))
+        return Draft(tokens, lengths, relaxed=at < self.prompt_lens_dev[:n, None])
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked

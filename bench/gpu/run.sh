@@ -116,7 +116,7 @@ stage() {
         --out "$OUT/greedy_equality.txt"
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-80}" python3 bench/policies.py --device "$DEVICE" \
         --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 32,1 --policies default,fixed \
-        --ks 2 --max-draft 8 --repeats 1}
+        --ks 2 --max-draft 8 --repeats 1 --draft-vocab 0}
       step round_profile "${KIT_PROFILE_S:-40}" python3 bench/round_profile.py --device "$DEVICE" \
         --draft "$MODELS/smollm2-draft-4l" ${KIT_PROFILE_ARGS:---batch 32} --out "$OUT/round_profile.txt" ;;
     fourth)

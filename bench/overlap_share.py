@@ -2,11 +2,15 @@
 the read-back's own hook (`Staging.trace`), on any device (a CPU gains nothing from it, but counts the same).
 
     python bench/overlap_share.py [--prompts 64] [--batch 16] [--ks 0,2] [--max-new 32-128]
+                                  [--drafters draft_model,prompt_lookup,confidence] [--ahead-pays]
 
 A random 2-layer Llama (96 tokens, 64 wide) as target, a noisy copy as draft, greedy; `--prompts` prompts of 10-59
 tokens through a batch of `--batch`, each row's max_new_tokens drawn from the range (mixed ends), then all at the
-range's top (ends together); per K (0: plain decoding): rounds followed before their read-back / rounds. A round
-that is not is one where rows leave or join (they do so only while nothing is in flight), or every row ends.
+range's top (ends together); per drafter and K (0: plain decoding): rounds followed before their read-back / rounds.
+Drafters: a draft model (fixed K), prompt lookup (fixed K; its prompts repeat themselves, so chains are found) and a
+draft model under `confidence` (K: its most). The last two go ahead where drafting ahead pays (a GPU;
+`--ahead-pays` forces it on a CPU, for the counts a GPU gets). A round that is not followed is one where every row
+ends, or one that waits for its read-back.
 """
 
 from __future__ import annotations
@@ -41,7 +45,12 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--ks", default="0,2")
     ap.add_argument("--max-new", default="32-128")
+    ap.add_argument("--drafters", default="draft_model")
+    ap.add_argument("--ahead-pays", action="store_true", help="draft ahead at a cost on a CPU too (as on a GPU)")
     args = ap.parse_args()
+    if args.ahead_pays:
+        from specdec.spec.proposers.base import Proposer
+        Proposer.ahead_pays = property(lambda self: True)
     lo, hi = (int(x) for x in args.max_new.split("-"))
     target = tiny_llama(seed=4)
     draft = noisy_copy(target, 0.05)
@@ -50,16 +59,25 @@ def main():
                for n in torch.randint(10, 60, (args.prompts,), generator=g)]
     mixed = [SamplingParams(max_new_tokens=int(m)) for m in torch.randint(lo, hi + 1, (args.prompts,), generator=g)]
     print(f"# {args.prompts} prompts, batch {args.batch}, greedy, tiny random Llama; rounds queued ahead / rounds")
-    for k in (int(k) for k in args.ks.split(",")):
-        spec = SpecConfig(method="none") if k == 0 else SpecConfig(method="draft_model", draft_length="fixed",
-                                                                   num_draft_tokens=k)
+    specs = {"draft_model": lambda k: dict(method="draft_model", draft_length="fixed", num_draft_tokens=k),
+             "prompt_lookup": lambda k: dict(method="prompt_lookup", draft_length="fixed", num_draft_tokens=k),
+             "confidence": lambda k: dict(method="draft_model", draft_length="confidence", max_draft_tokens=k)}
+    runs = [("plain", {"method": "none"}, prompts)] if 0 in ks(args) else []
+    for drafter in args.drafters.split(","):
+        for k in (k for k in ks(args) if k):
+            runs.append((f"{drafter} k={k}", specs[drafter](k), [p * 2 for p in prompts] if drafter == "prompt_lookup"
+                         else prompts))
+    for label, spec, rows in runs:
         for name, params in ((f"max_new {lo}-{hi}", mixed), (f"max_new {hi}", None)):
-            eng = SpecEngine(pair(target, draft if k else None), SamplingParams(max_new_tokens=hi), spec,
-                             batch_size=args.batch)
-            ahead, rounds = followed(eng, prompts, params)
-            print(f"{'plain' if k == 0 else f'k={k}':6s} {name:14s} {ahead:4d} / {rounds:4d} = {ahead / rounds:.2f}",
-                  flush=True)
+            drafts = spec["method"] == "draft_model"
+            eng = SpecEngine(pair(target, draft if drafts else None), SamplingParams(max_new_tokens=hi),
+                             SpecConfig(**spec), batch_size=args.batch)
+            ahead, rounds = followed(eng, rows, params)
+            print(f"{label:22s} {name:14s} {ahead:4d} / {rounds:4d} = {ahead / rounds:.2f}", flush=True)
 
+
+def ks(args) -> list[int]:
+    return [int(k) for k in args.ks.split(",")]
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ class Slots:
     def __init__(self, capacity: int, max_len: int, device: torch.device):
         self.capacity = capacity
         self.max_len = max_len
-        self.device = device
+        self.device = torch.device(device)
         self._values: dict[str, tuple[torch.Tensor | np.ndarray, object]] = {}  # name -> (per-row values, fill)
         self._objects: dict[str, tuple[list, Callable[[object, object], object]]] = {}  # name -> (objects, copy)
         self._caches: list[tuple[object, np.ndarray]] = []  # (a KV cache, each row's length in it)

@@ -377,3 +377,23 @@ def test_compiled_layers_of_four_model_shapes_never_fall_back(prompts, monkeypat
         runners += eng._runners.values()
     assert all(r.layer is not llama.layer_forward and r.checked for r in runners)
     assert [r.eager for r in runners] == [{}] * len(runners)
+
+
+def test_a_copy_of_a_model_the_lean_forward_ran_computes_with_its_own_weights(target):
+    """A model copied after the lean forward fused its weights (as the tests' noisy drafts are), then changed, runs
+    the lean forward with the changed weights, as transformers does with it: the fused matrices it carried from the
+    original are not its own (its q/k/v no longer view them)."""
+    import copy
+
+    llama.load_weights(target)
+    changed = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn_like(p) * 0.02 * p.std())
+    w = llama.load_weights(changed)
+    assert w is not llama.load_weights(target)
+    prefill, _, _ = ragged_inputs()
+    hf, lean = RaggedKVCache(changed, 4, 64), cache_of(changed, "dense")
+    with torch.inference_mode():
+        a = forward_hidden(changed, hf, prefill, torch.arange(20, device=DEVICE)[None].expand(3, 20), 0, 3, 20)
+        torch.testing.assert_close(a, llama.prefill(w, lean, prefill, 0), rtol=1e-5, atol=1e-5)

@@ -86,10 +86,16 @@ def _fuse(linears: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor 
     return fused
 
 
+def _views_of(fused: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether `weight` lies in `fused`'s storage (what `_fuse` made it)."""
+    return fused is not None and weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
 def load_weights(model) -> LlamaWeights:
-    """The model's weights for `forward` (fused once per model; later calls return the same)."""
+    """The model's weights for `forward` (fused once per model; later calls return the same). A copy of a model
+    (`copy.deepcopy`) carries the cache, but its q/k/v are no longer views of the fused matrix it holds: fused anew."""
     cached = getattr(model, "_specbatch_lean", None)
-    if cached is not None:
+    if cached is not None and _views_of(cached.layers[0].qkv, model.get_decoder().layers[0].self_attn.q_proj.weight):
         return cached
     reason = unsupported(model)
     if reason:

@@ -1,7 +1,7 @@
 """Attention over a paged KV cache against the engine's dense per-row views, one layer of a model's shape.
 
     python bench/paged_attention.py [--device cpu] [--shapes smollm2] [--batches 1,8,32] [--kv 320,1088]
-        [--queries 1,3] [--page 128] [--mixed] [--deadline 0] [--out FILE]
+        [--queries 1,3] [--page 128] [--mixed] [--flex static|dynamic] [--deadline 0] [--out FILE]
 
 Per (batch, longest row, queries per row):
 - `dense`: SDPA over the engine's layout, `[rows, kv_heads, max_len, head_dim]` sliced to the longest row, a
@@ -9,7 +9,9 @@ Per (batch, longest row, queries per row):
 - `gather`: SDPA over the rows' blocks gathered from a pool `[kv_heads, slots, head_dim]` by their block tables
   (index_select, then the same mask): a copy of every row's keys and values per layer per step;
 - `flex`: FlexAttention over the pool through torch's PagedAttention (page tables turned into a block mask,
-  compiled; blocks past a row's length are skipped).
+  compiled; blocks past a row's length are skipped): `--flex static` compiles each case's shapes anew (what the
+  engine does: a compilation per step key), `--flex dynamic` once for every case (dynamic shapes; where that fails,
+  the case says why and later cases compile static). `compile s`: flex's first call, compilation included.
 Every path's output is checked against dense's first. Rows hold the longest row's tokens, or with `--mixed`
 lengths drawn uniformly from [longest / 20, longest] (dense still attends up to the longest, masked). Prints ms
 per layer call and each path's ratio to dense; a path that fails prints why. `--deadline`: seconds after which no
@@ -49,7 +51,8 @@ def timed(fn, device: str, repeats: int) -> float:
     return (time.perf_counter() - t) / repeats * 1e3
 
 
-def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, device: str, dtype, repeats: int):
+def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, device: str, dtype, repeats: int,
+         dynamic: bool = False):
     qh, kvh, hd = SHAPES[shape]
     rng = random.Random(n * 7919 + longest)
     lens = [longest if not mixed else rng.randint(max(t, longest // 20), longest) for _ in range(n)]
@@ -81,7 +84,7 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
     for b, m in enumerate(lens):  # the pool holds what the dense rows hold, in each row's blocks
         for p, d in zip(pool, dense):
             p[:, slots[b, :m].to(device)] = d[b, :, :m]
-    del dense
+    dense.clear()  # the dense rows freed, now in the pool (attend is not called again)
     flat = slots.reshape(-1).clamp(max=n_pages * page - 1).to(device)
 
     def gather():
@@ -93,15 +96,22 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
     assert torch.allclose(gather(), want, **tol), "gathered blocks attend otherwise than the dense rows"
     out["gather"] = timed(gather, device, repeats)
     try:
-        fn = flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device)
-        assert torch.allclose(fn(), want, **tol), "FlexAttention over pages attends otherwise than the dense rows"
+        fn = flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynamic)
+        t0 = time.perf_counter()
+        first = fn()
+        sync(device)
+        out["compile"] = time.perf_counter() - t0
+        assert torch.allclose(first, want, **tol), "FlexAttention over pages attends otherwise than the dense rows"
         out["flex"] = timed(fn, device, repeats)
     except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
         out["flex"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return lens, out
 
 
-def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device):
+_DYNAMIC: dict = {}  # flex_attention compiled with dynamic shapes, once (--flex dynamic)
+
+
+def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynamic: bool = False):
     """FlexAttention of `q` over the rows' pages, compiled (a callable). The block mask's query blocks are 128
     tokens (one partial block per row): inductor's CUDA kernels take only configs whose BLOCK_M (16 and up) divides
     the query block size, so a block of 1 or 3 queries left them none ("NoValidChoicesError: No choices to select",
@@ -122,8 +132,11 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device):
 
     logical = create_block_mask(causal, n, None, t, max_len, device=device, BLOCK_SIZE=(128, page))
     physical = paged.convert_logical_block_mask(logical)  # its mask_mod reads the page tables too
-    torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
-    run = torch.compile(flex_attention, dynamic=False)
+    if dynamic:
+        run = _DYNAMIC.setdefault("run", torch.compile(flex_attention, dynamic=True))
+    else:
+        torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
+        run = torch.compile(flex_attention, dynamic=False)
     k, v = (p[None] for p in pool)  # [1, kv_heads, slots, head_dim]: one shared sequence of pages
     return lambda: run(q, k, v, block_mask=physical, enable_gqa=True)
 
@@ -138,6 +151,7 @@ def main():
     ap.add_argument("--page", type=int, default=128)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--flex", choices=("static", "dynamic"), default="static")
     ap.add_argument("--deadline", type=float, default=0)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -145,9 +159,11 @@ def main():
     t0 = time.perf_counter()
     lines = [f"# {args.device} {torch.cuda.get_device_name() if args.device.startswith('cuda') else ''} {dtype}, "
              f"torch {torch.__version__}, threads {torch.get_num_threads()}, page {args.page}, "
-             f"{'mixed lengths' if args.mixed else 'every row the longest'}; ms per layer call, ratio to dense",
+             f"{'mixed lengths' if args.mixed else 'every row the longest'}, flex {args.flex}; ms per layer call, "
+             f"ratio to dense",
              f"{'shape':8s} {'rows':>4s} {'kv':>5s} {'q':>2s} {'mean kv':>7s} {'dense':>8s} {'gather':>15s} "
-             f"{'flex':>15s}"]
+             f"{'flex':>15s} {'compile s':>9s}"]
+    dynamic = args.flex == "dynamic"
     print("\n".join(lines), flush=True)
     for shape in args.shapes.split(","):
         for n in map(int, args.batches.split(",")):
@@ -157,13 +173,19 @@ def main():
                         lines.append(f"# deadline: {shape} {n} {kv} {t} and after not run")
                         print(lines[-1], flush=True)
                         break
-                    lens, out = case(shape, n, kv, t, args.page, args.mixed, args.device, dtype, args.repeats)
+                    lens, out = case(shape, n, kv, t, args.page, args.mixed, args.device, dtype, args.repeats,
+                                     dynamic)
                     d = out["dense"]
                     cells = [f"{out[p]:7.3f} {out[p] / d:6.2f}x" if isinstance(out[p], float) else out[p]
                              for p in ("gather", "flex")]
                     lines.append(f"{shape:8s} {n:4d} {kv:5d} {t:2d} {sum(lens) / n:7.0f} {d:8.3f} "
-                                 + " ".join(f"{c:>15s}" for c in cells))
+                                 + " ".join(f"{c:>15s}" for c in cells)
+                                 + (f" {out['compile']:9.1f}" if "compile" in out else ""))
                     print(lines[-1], flush=True)
+                    if dynamic and not isinstance(out["flex"], float):
+                        dynamic = False
+                        lines.append("# flex with dynamic shapes failed: later cases compile static")
+                        print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

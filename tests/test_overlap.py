@@ -188,16 +188,28 @@ def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
         assert got == want
 
 
-@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
-def test_the_default_policy_drafting_ahead_keeps_greedy_tokens(target, drafts, prompts, reference, kv_cache):
+@pytest.mark.parametrize("method, kv_cache", [("draft_model", "dense"), ("draft_model", "paged"),
+                                               ("prompt_lookup", "dense")])
+def test_the_default_policy_drafting_ahead_keeps_greedy_tokens(target, drafts, prompts, reference, method, kv_cache,
+                                                               monkeypatch):
     """The default policy (goodput; under costs where drafting pays) plans round r + 1 before round r is read back,
     so its draft lengths may differ from rounds that wait; greedy tokens may not: transformers' own, rows joining
-    through a batch of 3. Rounds that draft are queued ahead."""
-    eng = engine(target, drafts["noisy"], bs=3, kv_cache=kv_cache)
+    through a batch of 3. Rounds that draft are queued ahead: a draft model's, and prompt lookup's as on a GPU
+    (`ahead_pays` forced; its reach, which goodput plans by, a round old)."""
+    from specdec.spec.proposers.base import Proposer
+
+    monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self: True))
+    eng = engine(target, drafts["noisy"], method=method, bs=3, kv_cache=kv_cache)
     events = []
     eng.context.staging.trace = lambda event, r: events.append((event, r))
-    out = eng.generate(prompts)
-    assert [r.token_ids for r in out] == reference
+    out = eng.generate([p * 3 for p in prompts] if method == "prompt_lookup" else prompts)
+    if method == "draft_model":
+        assert [r.token_ids for r in out] == reference
+    else:  # the prompts repeat themselves: transformers' greedy tokens after them
+        for p, r in zip(prompts, out):
+            ids = target.generate(torch.tensor([p * 3], device=target.device), max_new_tokens=MAX_NEW,
+                                  min_new_tokens=MAX_NEW, do_sample=False)
+            assert r.token_ids == ids[0, 3 * len(p):].tolist()
     assert sum(r.drafted_tokens for r in out) > 0 and ahead(events)[0] > 0
 
 

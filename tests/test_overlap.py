@@ -143,7 +143,7 @@ def test_chains_found_on_the_device_are_the_hosts(target, min_ngram, vocab):
         p.admit(0, n)
         limits = rng.integers(0, 6, n)
         got = p.device_chains(n, limits)
-        room = np.maximum(s.ends_dev[:n].numpy() - lens - 1, 0)
+        room = np.maximum(s.ends_dev[:n].cpu().numpy() - lens - 1, 0)
         for i in range(n):
             toks, _, _, relaxed = p._row(i, int(min(limits[i], room[i])), 0)
             m = int(got.lengths[i])

@@ -52,6 +52,7 @@ def main():
         from specdec.spec.proposers.base import Proposer
         Proposer.ahead_pays = property(lambda self: True)
     lo, hi = (int(x) for x in args.max_new.split("-"))
+    ks = [int(k) for k in args.ks.split(",")]
     target = tiny_llama(seed=4)
     draft = noisy_copy(target, 0.05)
     g = torch.Generator().manual_seed(3)
@@ -62,9 +63,9 @@ def main():
     specs = {"draft_model": lambda k: dict(method="draft_model", draft_length="fixed", num_draft_tokens=k),
              "prompt_lookup": lambda k: dict(method="prompt_lookup", draft_length="fixed", num_draft_tokens=k),
              "confidence": lambda k: dict(method="draft_model", draft_length="confidence", max_draft_tokens=k)}
-    runs = [("plain", {"method": "none"}, prompts)] if 0 in ks(args) else []
+    runs = [("plain", {"method": "none"}, prompts)] if 0 in ks else []
     for drafter in args.drafters.split(","):
-        for k in (k for k in ks(args) if k):
+        for k in (k for k in ks if k):
             runs.append((f"{drafter} k={k}", specs[drafter](k), [p * 2 for p in prompts] if drafter == "prompt_lookup"
                          else prompts))
     for label, spec, rows in runs:
@@ -75,9 +76,6 @@ def main():
             ahead, rounds = followed(eng, rows, params)
             print(f"{label:22s} {name:14s} {ahead:4d} / {rounds:4d} = {ahead / rounds:.2f}", flush=True)
 
-
-def ks(args) -> list[int]:
-    return [int(k) for k in args.ks.split(",")]
 
 if __name__ == "__main__":
     main()

@@ -133,7 +133,9 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynam
     logical = create_block_mask(causal, n, None, t, max_len, device=device, BLOCK_SIZE=(128, page))
     physical = paged.convert_logical_block_mask(logical)  # its mask_mod reads the page tables too
     if dynamic:
-        run = _DYNAMIC.setdefault("run", torch.compile(flex_attention, dynamic=True))
+        if "run" not in _DYNAMIC:
+            _DYNAMIC["run"] = torch.compile(flex_attention, dynamic=True)
+        run = _DYNAMIC["run"]
     else:
         torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
         run = torch.compile(flex_attention, dynamic=False)

@@ -12,6 +12,7 @@ from engine_models import MAX_NEW, engine, pair
 
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
+from specdec.spec.proposers.base import Proposer
 
 
 def traced(target, draft=None, overlap=True, bs=4, stop=(), max_new=MAX_NEW, kv_cache="dense", **spec):
@@ -28,6 +29,11 @@ def ahead(events) -> tuple[int, int]:
     at = {e: i for i, e in enumerate(events)}
     rounds = sorted(r for e, r in events if e == "wait")
     return sum(at.get(("launch", r + 1), len(events)) < at[("wait", r)] for r in rounds), len(rounds)
+
+
+def pay_ahead(monkeypatch, pays: bool = True) -> None:
+    """Draft ahead at a cost (`Proposer.ahead_pays`) as on a GPU (or, pays=False, never, as on a CPU)."""
+    monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self: pays))
 
 
 def results(rs):
@@ -89,9 +95,7 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
     and sampled: every row's tokens, finish reason, rounds and acceptance are those of rounds that wait for each
     other. Rounds are queued ahead, drafting or not; prompt lookup's on a GPU (forced here: `ahead_pays`), its
     chains found in the device's tokens."""
-    from specdec.spec.proposers.base import Proposer
-
-    monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self: True))
+    pay_ahead(monkeypatch)
     stop = (23, 58)
     for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
                                                                       seed=5)):
@@ -196,9 +200,7 @@ def test_the_default_policy_drafting_ahead_keeps_greedy_tokens(target, drafts, p
     so its draft lengths may differ from rounds that wait; greedy tokens may not: transformers' own, rows joining
     through a batch of 3. Rounds that draft are queued ahead: a draft model's, and prompt lookup's as on a GPU
     (`ahead_pays` forced; its reach, which goodput plans by, a round old)."""
-    from specdec.spec.proposers.base import Proposer
-
-    monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self: True))
+    pay_ahead(monkeypatch)
     eng = engine(target, drafts["noisy"], method=method, bs=3, kv_cache=kv_cache)
     events = []
     eng.context.staging.trace = lambda event, r: events.append((event, r))
@@ -267,11 +269,9 @@ def test_rounds_of_policies_that_stop_on_the_drafts_outputs_go_ahead(target, dra
     token, finish reason and statistic is what rounds that wait give, 8 prompts through a batch of 3 with stop
     tokens, greedy and sampled; a round queued ahead reads nothing but its results (counted as `HostReads`). Forced
     on this CPU, where reading is free and such rounds stop early, and wait."""
-    import torch
     from test_fastpath import HostReads
 
     from specdec.plan.head import AcceptanceHead, HeadConfig
-    from specdec.spec.proposers.base import Proposer
 
     if policy == "confidence":
         spec = {"draft_length": "confidence", "confidence_threshold": 0.5}
@@ -284,7 +284,7 @@ def test_rounds_of_policies_that_stop_on_the_drafts_outputs_go_ahead(target, dra
                                                                       seed=5)):
         runs = {}
         for ahead_too in (True, False):
-            monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self, a=ahead_too: a))
+            pay_ahead(monkeypatch, ahead_too)
             eng, events = traced(target, drafts["noisy"], bs=3, stop=(23, 58), method="draft_model",
                                  max_draft_tokens=5, **spec)
             eng.sampling = sp

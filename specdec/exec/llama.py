@@ -86,9 +86,9 @@ def _fuse(linears: list[torch.nn.Linear], attr: str = "weight") -> torch.Tensor 
     return fused
 
 
-def _views_of(fused: torch.Tensor | None, weight: torch.Tensor) -> bool:
+def _views_of(fused: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `weight` lies in `fused`'s storage (what `_fuse` made it)."""
-    return fused is not None and weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    return weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
 
 
 def load_weights(model) -> LlamaWeights:

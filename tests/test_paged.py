@@ -99,22 +99,26 @@ def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, ref
 
 def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, drafts, prompts, reference):
     """`paged_attention="flex"`: the captured steps (here the padded static steps a CPU runs) attend with
-    FlexAttention over the pool in place, compiled once per step shape, prefix blocks shared by reference; rows
-    joining through a batch of 2, a fixed k=2 draft model (its catch-up, draft steps and 3-wide verification all
-    captured steps): transformers' greedy tokens, and the steps did attend that way."""
+    FlexAttention over the pool in place, prefix blocks shared by reference; rows joining through a batch of 2, a
+    fixed k=2 draft model (its catch-up, draft steps and 3-wide verification all captured steps): transformers'
+    greedy tokens, the steps did attend that way, and FlexAttention compiled once per queries' width and pool,
+    not again for each step's rows."""
+    from torch._dynamo.utils import counters
+
     import specdec.exec.cache as cache_mod
 
     seen = []
     original = cache_mod._FlexView.attend
 
     def attend(self, layer, q):
-        seen.append(q.shape)
+        seen.append((*q.shape, *self.cache.k[layer].shape))  # queries [rows, heads, width, head_dim]; the pool's
         return original(self, layer, q)
 
     eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
                      SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=2), batch_size=2,
                      kv_cache="paged", paged_attention="flex", step_graphs=True)
     cache_mod._FlexView.attend = attend
+    compiled = counters["stats"]["unique_graphs"]
     try:
         out = eng.generate(prompts[:4])
     finally:
@@ -122,6 +126,8 @@ def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, d
     assert [r.token_ids for r in out] == reference[:4]
     assert sum(r.accepted_tokens for r in out) > 0
     assert {shape[2] for shape in seen} >= {1, 4}  # draft steps and the padded 3-wide verification
+    assert {shape[0] for shape in seen} == {1, 2}  # steps of one row and of two
+    assert counters["stats"]["unique_graphs"] - compiled <= len({shape[1:] for shape in seen})
     with pytest.raises(ValueError, match="paged_attention"):
         SpecEngine(pair(target), SamplingParams(), SpecConfig(method="none"), paged_attention="blocks")
 

@@ -225,7 +225,9 @@ class _FlexView(_PagedView):
     """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks):
     each row visits the blocks its table lists up to `kv_len`, and a slot is seen where its place in the row (the
     block's column in the table) is at most the query's position. `positions` [n, t] are the queries' (the slots a
-    step writes, for chains). Its shapes depend on the rows, queries and pool only: one compilation per step key."""
+    step writes, for chains). Its queries are padded to every row of the cache (a padded row visits no block), so
+    its shapes depend on the queries' width and the pool only: one compilation per model and width, whatever the
+    step's rows and window."""
 
     attends = True
 
@@ -234,29 +236,34 @@ class _FlexView(_PagedView):
 
         super().__init__(cache, start, end, positions, 0)
         n, t = positions.shape
-        dev, pool = positions.device, cache.blocks
+        rows, dev, pool = cache.table.shape[0], positions.device, cache.blocks
         columns = min(blocks_for(kv_len), cache.table.shape[1])
         table = cache.table[start:end, :columns]
-        place = torch.full((n, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
-        place.scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
+        place = torch.full((rows, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
+        place[:n].scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
+        at = torch.nn.functional.pad(positions, (0, 0, 0, rows - n))
+        visits = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
+        visits[:n] = columns
+        blocks = torch.zeros((rows, 1, 1, pool), dtype=torch.int32, device=dev)
+        blocks[:n, 0, 0, :columns] = table.to(torch.int32)
 
         def seen(b, h, q, kv):
             column = place[b, kv // BLOCK]
-            return (column >= 0) & (column * BLOCK + kv % BLOCK <= positions[b, q])
+            return (column >= 0) & (column * BLOCK + kv % BLOCK <= at[b, q])
 
-        self.mask = BlockMask.from_kv_blocks(
-            torch.full((n, 1, 1), columns, dtype=torch.int32, device=dev),
-            torch.nn.functional.pad(table, (0, pool - columns)).to(torch.int32)[:, None, None, :],
-            BLOCK_SIZE=(128, BLOCK), mask_mod=seen, seq_lengths=(t, pool * BLOCK))
+        self.mask = BlockMask.from_kv_blocks(visits, blocks, BLOCK_SIZE=(128, BLOCK), mask_mod=seen,
+                                             seq_lengths=(t, pool * BLOCK))
         # CUDA's main flex kernel wants its key tile to divide a block (16 slots)
         self.options = {"BLOCK_N": BLOCK} if dev.type == "cuda" else None
 
     def attend(self, layer, q):
         n, heads, t, hd = q.shape
+        queries = q.new_zeros((self.mask.kv_num_blocks.shape[0], heads, t, hd))  # contiguous: one layout
+        queries[:n] = q
         k, v = (c[layer].permute(1, 0, 2)[None] for c in (self.cache.k, self.cache.v))  # [1, kv_heads, slots, hd]
-        o = self.cache.flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
-                             scale=hd ** -0.5, kernel_options=self.options)
-        return o.transpose(1, 2).reshape(n, t, heads * hd)
+        o = self.cache.flex(queries, k.to(q.dtype), v.to(q.dtype), block_mask=self.mask, enable_gqa=True,
+                            scale=hd ** -0.5, kernel_options=self.options)
+        return o[:n].transpose(1, 2).reshape(n, t, heads * hd)
 
 
 class PagedKVCache(KVCache):

@@ -14,7 +14,8 @@ across `generate()` calls, specdec/exec/runner.py).
   come to hold when it joins (its prompt, `max_new_tokens` and the draft's slack), so no row ever waits for a
   block mid-round, and `release`s them when it leaves. Table entries a row does not own point at block 0, a
   scratch block that padding writes into and that is always masked. Attention reads the window's blocks gathered
-  into rows (SDPA over gathered blocks). Whole blocks of slots no row writes again (a prompt's cached prefix) are
+  into rows (SDPA over gathered blocks), or in captured steps with `flex` attends over the pool in place
+  (`_FlexView`). Whole blocks of slots no row writes again (a prompt's cached prefix) are
   shared by reference: a block counts its holders (rows, and the prefix store, specdec/exec/prefix.py, that `pin`s it)
   and is free when none is left; a prompt's samples (`copy_row`) and rows whose prefix the store holds take such
   blocks instead of copies, and a row reserves only the blocks it writes.
@@ -222,12 +223,13 @@ class _PagedView(KVView):
 
 
 class _FlexView(_PagedView):
-    """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks):
-    each row visits the blocks its table lists up to `kv_len`, and a slot is seen where its place in the row (the
-    block's column in the table) is at most the query's position. `positions` [n, t] are the queries' (the slots a
-    step writes, for chains). Its queries are padded to every row of the cache (a padded row visits no block), so
-    its shapes depend on the queries' width and the pool only: one compilation per model and width, whatever the
-    step's rows and window."""
+    """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks).
+    A row visits the blocks of its table up to its last query's position: whole, without a mask, those every query
+    of the row sees (below its first query's position); through the mask the others, where a slot is seen if its
+    place in the row (its block's column in the table) is at most the query's position. `positions` [n, t] are the
+    queries' (the slots a step writes, for chains; increasing along a row). Its queries are padded to every row of
+    the cache (a padded row visits no block), so its shapes depend on the queries' width and the pool only: one
+    compilation per model and width, whatever the step's rows and window."""
 
     attends = True
 
@@ -237,22 +239,25 @@ class _FlexView(_PagedView):
         super().__init__(cache, start, end, positions, 0)
         n, t = positions.shape
         rows, dev, pool = cache.table.shape[0], positions.device, cache.blocks
-        columns = min(blocks_for(kv_len), cache.table.shape[1])
+        columns = min(blocks_for(kv_len), cache.table.shape[1], pool)  # a row holds fewer blocks than the pool
         table = cache.table[start:end, :columns]
         place = torch.full((rows, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
         place[:n].scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
         at = torch.nn.functional.pad(positions, (0, 0, 0, rows - n))
-        visits = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
-        visits[:n] = columns
-        blocks = torch.zeros((rows, 1, 1, pool), dtype=torch.int32, device=dev)
-        blocks[:n, 0, 0, :columns] = table.to(torch.int32)
+        whole = ((positions[:, 0] + 1) // BLOCK).clamp(max=columns)  # the columns every query of a row sees
+        ends = (positions[:, -1] // BLOCK + 1).clamp(max=columns)  # ... and the last one a query of it sees
+        counts = torch.zeros((2, rows, 1, 1), dtype=torch.int32, device=dev)  # masked, whole blocks a row visits
+        counts[0, :n, 0, 0], counts[1, :n, 0, 0] = ends - whole, whole
+        blocks = torch.zeros((2, rows, 1, 1, pool), dtype=torch.int32, device=dev)  # which
+        after = (whole[:, None] + torch.arange(columns, device=dev)).clamp(max=columns - 1)
+        blocks[0, :n, 0, 0, :columns], blocks[1, :n, 0, 0, :columns] = table.gather(1, after), table
 
         def seen(b, h, q, kv):
             column = place[b, kv // BLOCK]
             return (column >= 0) & (column * BLOCK + kv % BLOCK <= at[b, q])
 
-        self.mask = BlockMask.from_kv_blocks(visits, blocks, BLOCK_SIZE=(128, BLOCK), mask_mod=seen,
-                                             seq_lengths=(t, pool * BLOCK))
+        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], counts[1], blocks[1], BLOCK_SIZE=(128, BLOCK),
+                                             mask_mod=seen, seq_lengths=(t, pool * BLOCK), compute_q_blocks=False)
         # CUDA's main flex kernel wants its key tile to divide a block (16 slots)
         self.options = {"BLOCK_N": BLOCK} if dev.type == "cuda" else None
 

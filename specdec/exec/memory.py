@@ -39,9 +39,9 @@ from .prefix import shared_blocks, shared_tokens
 
 GiB = 1 << 30
 # a FlexAttention step's block mask per cache row and pool block (specdec/exec/cache.py `_FlexView`), at its peak
-# while built (tests/test_memory.py measures it): the blocks' columns, the table padded to the pool, the mask's
-# indices both ways and the sorts between
-FLEX_MASK_BYTES = 40
+# while built (tests/test_memory.py measures it): the blocks' columns, the masked and whole blocks' indices padded
+# to the pool, and the columns' temporaries (up to the pool's when a row's table spans it)
+FLEX_MASK_BYTES = 32
 STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per stream (32 MiB each on Hopper)
 TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/exec/runner.py)
 ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order

@@ -1,21 +1,26 @@
 """Attention over a paged KV cache against the engine's dense per-row views, one layer of a model's shape.
 
     python bench/paged_attention.py [--device cpu] [--shapes smollm2] [--batches 1,8,32] [--kv 320,1088]
-        [--queries 1,3] [--page 128] [--mixed] [--flex static|dynamic] [--deadline 0] [--out FILE]
+        [--queries 1,3] [--page 128] [--mixed] [--paths gather,engine,flex] [--flex static|dynamic] [--deadline 0]
+        [--out FILE]
 
 Per (batch, longest row, queries per row):
 - `dense`: SDPA over the engine's layout, `[rows, kv_heads, max_len, head_dim]` sliced to the longest row, a
   boolean mask (specdec/exec/cache.py; what every step does now);
 - `gather`: SDPA over the rows' blocks gathered from a pool `[kv_heads, slots, head_dim]` by their block tables
   (index_select, then the same mask): a copy of every row's keys and values per layer per step;
-- `flex`: FlexAttention over the pool through torch's PagedAttention (page tables turned into a block mask,
-  compiled; blocks past a row's length are skipped): `--flex static` compiles each case's shapes anew (what the
-  engine does: a compilation per step key), `--flex dynamic` once for every case (dynamic shapes; where that fails,
-  the case says why and later cases compile static). `compile s`: flex's first call, compilation included.
-Every path's output is checked against dense's first. Rows hold the longest row's tokens, or with `--mixed`
-lengths drawn uniformly from [longest / 20, longest] (dense still attends up to the longest, masked). Prints ms
-per layer call and each path's ratio to dense; a path that fails prints why. `--deadline`: seconds after which no
-new case starts (0: none). A "what issue 43's block pool would cost" figure: none of this is in the engine yet.
+- `engine`: what the engine's captured steps run with `paged_attention="flex"`: its `PagedKVCache` (blocks of 16
+  slots anywhere in the pool) and `_FlexView` (compiled FlexAttention over the pool in place, the queries padded to
+  the cache's rows: as many as the largest of `--batches`), one pool for every case of a `--kv`, so a compilation
+  per queries' width; `mask ms`: building its block mask (once per step, every layer shares it);
+- `flex`: FlexAttention over the pool through torch's PagedAttention (pages of `--page` slots, page tables turned
+  into a block mask, compiled; blocks past a row's length are skipped): `--flex static` compiles each case's shapes
+  anew, `--flex dynamic` once for every case (dynamic shapes; where that fails, the case says why and later cases
+  compile static).
+`compile s`: each compiled path's first call, compilation included. Every path's output is checked against dense's
+first. Rows hold the longest row's tokens, or with `--mixed` lengths drawn uniformly from [longest / 20, longest]
+(dense still attends up to the longest, masked). Prints ms per layer call and each path's ratio to dense; a path
+that fails prints why. `--deadline`: seconds after which no new case starts (0: none).
 """
 
 from __future__ import annotations
@@ -52,11 +57,11 @@ def timed(fn, device: str, repeats: int) -> float:
 
 
 def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, device: str, dtype, repeats: int,
-         dynamic: bool = False):
+         paths: tuple[str, ...], cache_rows: int, dynamic: bool = False):
     qh, kvh, hd = SHAPES[shape]
     rng = random.Random(n * 7919 + longest)
     lens = [longest if not mixed else rng.randint(max(t, longest // 20), longest) for _ in range(n)]
-    longest = max(lens)  # dense attends up to the batch's longest row
+    room, longest = longest, max(lens)  # dense attends up to the batch's longest row
     max_len = -(-longest // page) * page + page
     lens_t = torch.tensor(lens, device=device)
     q = torch.randn(n, qh, t, hd, device=device, dtype=dtype)
@@ -69,8 +74,15 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
         return F.scaled_dot_product_attention(q, dense[0][:, :, :longest], dense[1][:, :, :longest], attn_mask=mask,
                                               enable_gqa=True)
 
-    out = {"dense": timed(attend, device, repeats)}
+    out = {"dense": timed(attend, device, repeats), "compile": {}}
     want = attend()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    if "engine" in paths:
+        try:
+            out["engine"], out["mask"], out["compile"]["engine"] = engine(q, dense, lens_t, longest, room,
+                                                                          cache_rows, want, tol, device, repeats)
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
+            out["engine"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     pages_of = [-(-n_tok // page) for n_tok in lens]
     n_pages = sum(pages_of) + 1
     perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(n)).tolist()  # blocks anywhere
@@ -92,20 +104,63 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
         v = pool[1].index_select(1, flat).view(kvh, n, longest, hd).transpose(0, 1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
-    assert torch.allclose(gather(), want, **tol), "gathered blocks attend otherwise than the dense rows"
-    out["gather"] = timed(gather, device, repeats)
-    try:
-        fn = flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynamic)
-        t0 = time.perf_counter()
-        first = fn()
-        sync(device)
-        out["compile"] = time.perf_counter() - t0
-        assert torch.allclose(first, want, **tol), "FlexAttention over pages attends otherwise than the dense rows"
-        out["flex"] = timed(fn, device, repeats)
-    except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
-        out["flex"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    if "gather" in paths:
+        assert torch.allclose(gather(), want, **tol), "gathered blocks attend otherwise than the dense rows"
+        out["gather"] = timed(gather, device, repeats)
+    if "flex" in paths:
+        try:
+            fn = flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynamic)
+            t0 = time.perf_counter()
+            first = fn()
+            sync(device)
+            out["compile"]["flex"] = time.perf_counter() - t0
+            assert torch.allclose(first, want, **tol), "FlexAttention over pages attends otherwise than the dense rows"
+            out["flex"] = timed(fn, device, repeats)
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
+            out["flex"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     return lens, out
+
+
+_POOLS: dict = {}  # the engine path's cache, one per (shape, rows, longest row): its compilations carry over
+
+
+def engine(q, dense, lens_t, longest, room, rows, want, tol, device, repeats):
+    """The engine's FlexAttention over its paged cache (`_FlexView`): ms per layer call, ms to build the step's
+    block mask, and the first call's seconds. The cache holds `rows` rows of up to `room` slots; the case's rows
+    take its first table rows, their blocks drawn in a shuffled order, and hold what the dense rows hold."""
+    from types import SimpleNamespace
+
+    from specdec.exec.cache import PagedKVCache, blocks_for
+    from specdec.exec.graphs import compiled_flex
+
+    n, heads, t, hd = q.shape
+    kv_heads = dense[0].shape[1]
+    key = (heads, kv_heads, hd, rows, room)
+    if key not in _POOLS:
+        config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
+                                 hidden_size=heads * hd, num_hidden_layers=1)
+        model = SimpleNamespace(config=config, parameters=lambda: iter([q]))  # shapes, dtype and device: all it reads
+        cache = _POOLS[key] = PagedKVCache(model, rows, room, rows * blocks_for(room) + 1)
+        cache.flex = compiled_flex()
+    cache = _POOLS[key]
+    for row in range(rows):
+        cache.release(row)
+    random.Random(n).shuffle(cache.free)
+    lens = lens_t.tolist()
+    cache.reserve_rows(list(range(n)), lens)
+    for b, m in enumerate(lens):
+        at = cache.physical(cache.table[b:b + 1], torch.arange(m, device=q.device)[None])[0]
+        cache.k[0][at], cache.v[0][at] = dense[0][b, :, :m].transpose(0, 1), dense[1][b, :, :m].transpose(0, 1)
+    positions = lens_t[:, None] - t + torch.arange(t, device=q.device)
+    view = cache.view(0, n, positions, longest, attend=True)
+    t0 = time.perf_counter()
+    first = view.attend(0, q)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    assert torch.allclose(first, want.transpose(1, 2).reshape(n, t, heads * hd), **tol), \
+        "the engine's FlexAttention attends otherwise than the dense rows"
+    mask = timed(lambda: cache.view(0, n, positions, longest, attend=True), device, repeats)
+    return timed(lambda: view.attend(0, q), device, repeats), mask, seconds
 
 
 _DYNAMIC: dict = {}  # flex_attention compiled with dynamic shapes, once (--flex dynamic)
@@ -118,6 +173,8 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynam
     the H200, 2026-11-27); its CPU kernel has no such rule."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from specdec.exec.graphs import _many_compilations
 
     n, t = q.shape[0], q.shape[2]
     paged = PagedAttention(n_pages, page, n, device=device)
@@ -137,7 +194,7 @@ def flex(q, pool, table, lens_t, pages_of, page, max_len, n_pages, device, dynam
             _DYNAMIC["run"] = torch.compile(flex_attention, dynamic=True)
         run = _DYNAMIC["run"]
     else:
-        torch._dynamo.reset()  # a compile per case: the recompile limit would fall back to eager after eight
+        _many_compilations()  # a compile per case's shapes: torch's limit of 8 would send the ninth to eager
         run = torch.compile(flex_attention, dynamic=False)
     k, v = (p[None] for p in pool)  # [1, kv_heads, slots, head_dim]: one shared sequence of pages
     return lambda: run(q, k, v, block_mask=physical, enable_gqa=True)
@@ -153,38 +210,44 @@ def main():
     ap.add_argument("--page", type=int, default=128)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--paths", default="gather,engine,flex", help="what to set beside dense: gather, engine, flex")
     ap.add_argument("--flex", choices=("static", "dynamic"), default="static")
     ap.add_argument("--deadline", type=float, default=0)
     ap.add_argument("--out")
     args = ap.parse_args()
+    paths = tuple(args.paths.split(","))
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     t0 = time.perf_counter()
     lines = [f"# {args.device} {torch.cuda.get_device_name() if args.device.startswith('cuda') else ''} {dtype}, "
              f"torch {torch.__version__}, threads {torch.get_num_threads()}, page {args.page}, "
              f"{'mixed lengths' if args.mixed else 'every row the longest'}, flex {args.flex}; ms per layer call, "
              f"ratio to dense",
-             f"{'shape':8s} {'rows':>4s} {'kv':>5s} {'q':>2s} {'mean kv':>7s} {'dense':>8s} {'gather':>15s} "
-             f"{'flex':>15s} {'compile s':>9s}"]
+             f"{'shape':8s} {'rows':>4s} {'kv':>5s} {'q':>2s} {'mean kv':>7s} {'dense':>8s} "
+             + " ".join(f"{p:>15s}" for p in paths) + (f" {'mask ms':>8s}" if "engine" in paths else "")
+             + "".join(f" {p + ' s':>9s}" for p in paths if p != "gather")]
+    lines[0] += " (engine: its block mask built once a step; `P s`: path P's first call, compilation included)"
     dynamic = args.flex == "dynamic"
+    cache_rows = max(map(int, args.batches.split(",")))
     print("\n".join(lines), flush=True)
     for shape in args.shapes.split(","):
-        for n in map(int, args.batches.split(",")):
-            for kv in map(int, args.kv.split(",")):
-                for t in map(int, args.queries.split(",")):
+        for t in map(int, args.queries.split(",")):  # widths outermost: the engine compiles once per width
+            for n in map(int, args.batches.split(",")):
+                for kv in map(int, args.kv.split(",")):
                     if args.deadline and time.perf_counter() - t0 > args.deadline:
                         lines.append(f"# deadline: {shape} {n} {kv} {t} and after not run")
                         print(lines[-1], flush=True)
                         break
                     lens, out = case(shape, n, kv, t, args.page, args.mixed, args.device, dtype, args.repeats,
-                                     dynamic)
+                                     paths, cache_rows, dynamic)
                     d = out["dense"]
                     cells = [f"{out[p]:7.3f} {out[p] / d:6.2f}x" if isinstance(out[p], float) else out[p]
-                             for p in ("gather", "flex")]
+                             for p in paths]
                     lines.append(f"{shape:8s} {n:4d} {kv:5d} {t:2d} {sum(lens) / n:7.0f} {d:8.3f} "
                                  + " ".join(f"{c:>15s}" for c in cells)
-                                 + (f" {out['compile']:9.1f}" if "compile" in out else ""))
+                                 + (f" {out['mask']:8.3f}" if "mask" in out else "")
+                                 + "".join(f" {out['compile'][p]:9.1f}" for p in paths if p in out["compile"]))
                     print(lines[-1], flush=True)
-                    if dynamic and not isinstance(out["flex"], float):
+                    if dynamic and not isinstance(out.get("flex", 0.0), float):
                         dynamic = False
                         lines.append("# flex with dynamic shapes failed: later cases compile static")
                         print(lines[-1], flush=True)

@@ -1,8 +1,8 @@
 """Attention over a paged KV cache against the engine's dense per-row views, one layer of a model's shape.
 
     python bench/paged_attention.py [--device cpu] [--shapes smollm2] [--batches 1,8,32] [--kv 320,1088]
-        [--queries 1,3] [--page 128] [--mixed] [--paths gather,engine,flex] [--flex static|dynamic] [--deadline 0]
-        [--out FILE]
+        [--queries 1,3] [--page 128] [--mixed] [--paths gather,engine,engine128,flex] [--flex static|dynamic]
+        [--deadline 0] [--out FILE]
 
 Per (batch, longest row, queries per row):
 - `dense`: SDPA over the engine's layout, `[rows, kv_heads, max_len, head_dim]` sliced to the longest row, a
@@ -10,9 +10,9 @@ Per (batch, longest row, queries per row):
 - `gather`: SDPA over the rows' blocks gathered from a pool `[kv_heads, slots, head_dim]` by their block tables
   (index_select, then the same mask): a copy of every row's keys and values per layer per step;
 - `engine`: what the engine's captured steps run with `paged_attention="flex"`: its `PagedKVCache` (blocks of 16
-  slots anywhere in the pool) and `_FlexView` (compiled FlexAttention over the pool in place, the queries padded to
-  the cache's rows: as many as the largest of `--batches`), one pool for every case of a `--kv`, so a compilation
-  per queries' width; `mask ms`: building its block mask (once per step, every layer shares it);
+  slots anywhere in the pool; `engineB`: of B slots) and `_FlexView` (compiled FlexAttention over the pool in place,
+  the queries padded to the cache's rows: as many as the largest of `--batches`), one pool for every case of a
+  `--kv`, so a compilation per queries' width; `P mask`: building its block mask (once a step, for every layer);
 - `flex`: FlexAttention over the pool through torch's PagedAttention (pages of `--page` slots, page tables turned
   into a block mask, compiled; blocks past a row's length are skipped): `--flex static` compiles each case's shapes
   anew, `--flex dynamic` once for every case (dynamic shapes; where that fails, the case says why and later cases
@@ -58,6 +58,8 @@ def timed(fn, device: str, repeats: int) -> float:
 
 def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, device: str, dtype, repeats: int,
          paths: tuple[str, ...], cache_rows: int, dynamic: bool = False):
+    from specdec.exec.cache import BLOCK
+
     qh, kvh, hd = SHAPES[shape]
     rng = random.Random(n * 7919 + longest)
     lens = [longest if not mixed else rng.randint(max(t, longest // 20), longest) for _ in range(n)]
@@ -74,15 +76,16 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
         return F.scaled_dot_product_attention(q, dense[0][:, :, :longest], dense[1][:, :, :longest], attn_mask=mask,
                                               enable_gqa=True)
 
-    out = {"dense": timed(attend, device, repeats), "compile": {}}
+    out = {"dense": timed(attend, device, repeats), "compile": {}, "mask": {}}
     want = attend()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
-    if "engine" in paths:
-        try:
-            out["engine"], out["mask"], out["compile"]["engine"] = engine(q, dense, lens_t, longest, room,
-                                                                          cache_rows, want, tol, device, repeats)
-        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
-            out["engine"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    for p in paths:
+        if p.startswith("engine"):
+            try:
+                out[p], out["mask"][p], out["compile"][p] = engine(q, dense, lens_t, longest, room, cache_rows,
+                                                                   int(p[6:] or BLOCK), want, tol, device, repeats)
+            except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
+                out[p] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     pages_of = [-(-n_tok // page) for n_tok in lens]
     n_pages = sum(pages_of) + 1
     perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(n)).tolist()  # blocks anywhere
@@ -121,12 +124,13 @@ def case(shape: str, n: int, longest: int, t: int, page: int, mixed: bool, devic
     return lens, out
 
 
-_POOLS: dict = {}  # the engine path's cache, one per (shape, rows, longest row): its compilations carry over
+_POOLS: dict = {}  # the engine paths' caches, one per (shape, rows, room, block): their compilations carry over
 
 
-def engine(q, dense, lens_t, longest, room, rows, want, tol, device, repeats):
-    """The engine's FlexAttention over its paged cache (`_FlexView`): ms per layer call, ms to build the step's
-    block mask, and the first call's seconds. The cache holds `rows` rows of up to `room` slots; the case's rows
+def engine(q, dense, lens_t, longest, room, rows, block, want, tol, device, repeats):
+    """The engine's FlexAttention over its paged cache (`_FlexView`) of `block`-slot blocks: ms per layer call, ms
+    to build the step's block mask, and the first call's seconds. The cache holds `rows` rows of up to `room` slots
+    (a block's more); the case's rows
     take its first table rows, their blocks drawn in a shuffled order, and hold what the dense rows hold."""
     from types import SimpleNamespace
 
@@ -135,12 +139,13 @@ def engine(q, dense, lens_t, longest, room, rows, want, tol, device, repeats):
 
     n, heads, t, hd = q.shape
     kv_heads = dense[0].shape[1]
-    key = (heads, kv_heads, hd, rows, room)
+    key = (heads, kv_heads, hd, rows, room, block)
     if key not in _POOLS:
         config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd,
                                  hidden_size=heads * hd, num_hidden_layers=1)
         model = SimpleNamespace(config=config, parameters=lambda: iter([q]))  # shapes, dtype and device: all it reads
-        cache = _POOLS[key] = PagedKVCache(model, rows, room, rows * blocks_for(room) + 1)
+        cache = _POOLS[key] = PagedKVCache(model, rows, room + block, rows * blocks_for(room + block, block) + 1,
+                                           block)
         cache.flex = compiled_flex()
     cache = _POOLS[key]
     for row in range(rows):
@@ -210,12 +215,14 @@ def main():
     ap.add_argument("--page", type=int, default=128)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--paths", default="gather,engine,flex", help="what to set beside dense: gather, engine, flex")
+    ap.add_argument("--paths", default="gather,engine,flex",
+                    help="what to set beside dense: gather, engine (engineB: blocks of B slots), flex")
     ap.add_argument("--flex", choices=("static", "dynamic"), default="static")
     ap.add_argument("--deadline", type=float, default=0)
     ap.add_argument("--out")
     args = ap.parse_args()
     paths = tuple(args.paths.split(","))
+    engines = [p for p in paths if p.startswith("engine")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     t0 = time.perf_counter()
     lines = [f"# {args.device} {torch.cuda.get_device_name() if args.device.startswith('cuda') else ''} {dtype}, "
@@ -223,9 +230,9 @@ def main():
              f"{'mixed lengths' if args.mixed else 'every row the longest'}, flex {args.flex}; ms per layer call, "
              f"ratio to dense",
              f"{'shape':8s} {'rows':>4s} {'kv':>5s} {'q':>2s} {'mean kv':>7s} {'dense':>8s} "
-             + " ".join(f"{p:>15s}" for p in paths) + (f" {'mask ms':>8s}" if "engine" in paths else "")
-             + "".join(f" {p + ' s':>9s}" for p in paths if p != "gather")]
-    lines[0] += " (engine: its block mask built once a step; `P s`: path P's first call, compilation included)"
+             + " ".join(f"{p:>15s}" for p in paths) + "".join(f" {p + ' mask':>11s}" for p in engines)
+             + "".join(f" {p + ' s':>10s}" for p in paths if p != "gather")]
+    lines[0] += " (`P mask`: ms to build engine path P's block mask, once a step; `P s`: path P's first call)"
     dynamic = args.flex == "dynamic"
     cache_rows = max(map(int, args.batches.split(",")))
     print("\n".join(lines), flush=True)
@@ -244,8 +251,9 @@ def main():
                              for p in paths]
                     lines.append(f"{shape:8s} {n:4d} {kv:5d} {t:2d} {sum(lens) / n:7.0f} {d:8.3f} "
                                  + " ".join(f"{c:>15s}" for c in cells)
-                                 + (f" {out['mask']:8.3f}" if "mask" in out else "")
-                                 + "".join(f" {out['compile'][p]:9.1f}" for p in paths if p in out["compile"]))
+                                 + "".join(f" {out['mask'].get(p, float('nan')):11.3f}" for p in engines)
+                                 + "".join(f" {out['compile'].get(p, float('nan')):10.1f}" for p in paths
+                                           if p != "gather"))
                     print(lines[-1], flush=True)
                     if dynamic and not isinstance(out.get("flex", 0.0), float):
                         dynamic = False

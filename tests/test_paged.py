@@ -97,33 +97,33 @@ def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, ref
         assert cache.blocks == memory.pool_blocks(longest)
 
 
-@pytest.mark.parametrize("width", [1, 4])
-def test_flex_view_attends_as_the_rows_gathered_blocks_do(width):
+@pytest.mark.parametrize("width, block", [(1, BLOCK), (4, BLOCK), (3, 64)])
+def test_flex_view_attends_as_the_rows_gathered_blocks_do(width, block):
     """The engine's FlexAttention view over a pool whose blocks lie anywhere (`_FlexView`, compiled as captured
-    steps run it): for a window of 4 of a cache's 6 rows, rows whose queries start and end on either side of a
-    block's edge (whole blocks visited unmasked, the rest through the mask), one sharing another's whole blocks
-    by reference, and a window wider than every row: the same output as SDPA over the rows' gathered blocks with
-    each query seeing the slots up to its position."""
+    steps run it), blocks of the default size and of another: for a window of 4 of a cache's 6 rows, rows whose
+    queries start and end on either side of a block's edge (whole blocks visited unmasked, the rest through the
+    mask), one sharing another's whole blocks by reference, and a window wider than every row: the same output as
+    SDPA over the rows' gathered blocks with each query seeing the slots up to its position."""
     import torch.nn.functional as F
 
     from specdec.exec.cache import _FlexView
     from specdec.exec.graphs import compiled_flex
 
     model = tiny_llama(layers=1)
-    cache = PagedKVCache(model, rows=6, max_len=96, blocks=1 + 30)
+    cache = PagedKVCache(model, rows=6, max_len=6 * block, blocks=1 + 30, block=block)
     cache.flex = compiled_flex()
     g = torch.Generator().manual_seed(width)
     perm = torch.randperm(30, generator=g).tolist()
     cache.free = [b + 1 for b in perm]  # blocks handed out in a shuffled order
-    ends = [2 * BLOCK - 1, 2 * BLOCK, 3 * BLOCK + 5, width + 2]  # each row's last query's position, + 1
+    ends = [2 * block - 1, 2 * block, 3 * block + 5, width + 2]  # each row's last query's position, + 1
     cache.reserve_rows([1, 2, 3, 4], ends)
     for layer in range(cache.num_layers):
         cache.k[layer].normal_(generator=g)
         cache.v[layer].normal_(generator=g)
-    cache.copy_row(3, 2, 2 * BLOCK)  # row 2's two whole blocks are row 3's
+    cache.copy_row(3, 2, 2 * block)  # row 2's two whole blocks are row 3's
     assert cache.table[2, :2].tolist() == cache.table[3, :2].tolist()
     positions = torch.tensor(ends)[:, None] - width + torch.arange(width)
-    window = 4 * BLOCK + 8
+    window = 4 * block + 8
     heads, hd = model.config.num_attention_heads, cache.head_dim
     q = torch.randn(4, heads, width, hd, generator=g)
     view = cache.view(1, 5, positions, window, attend=True)

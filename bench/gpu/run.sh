@@ -107,7 +107,7 @@ stage() {
       wheels; keep
       step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-30}"
       step paged_attention "${KIT_PAGED_S:-45}" python3 bench/paged_attention.py --device "$DEVICE" \
-        ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --paths gather,engine --deadline 28} \
+        ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --paths gather,engine,engine128 --deadline 28} \
         --out "$OUT/paged_attention.txt" ;;
     third)
       wheels; keep; join_models

@@ -9,16 +9,16 @@ rows stay `[0, n)`. The buffers never move, which is what CUDA-graph capture nee
 across `generate()` calls, specdec/exec/runner.py).
 
 - `RaggedKVCache` (dense): one `[rows, kv_heads, max_len, head_dim]` pair per layer; every row takes `max_len` slots.
-- `PagedKVCache`: one pool `[blocks * BLOCK, kv_heads, head_dim]` pair per layer and a block table `[rows,
-  max_len / BLOCK]` (a static tensor: captured steps read it); a row `reserve`s the blocks of every slot it can
-  come to hold when it joins (its prompt, `max_new_tokens` and the draft's slack), so no row ever waits for a
-  block mid-round, and `release`s them when it leaves. Table entries a row does not own point at block 0, a
-  scratch block that padding writes into and that is always masked. Attention reads the window's blocks gathered
-  into rows (SDPA over gathered blocks), or in captured steps with `flex` attends over the pool in place
-  (`_FlexView`). Whole blocks of slots no row writes again (a prompt's cached prefix) are
-  shared by reference: a block counts its holders (rows, and the prefix store, specdec/exec/prefix.py, that `pin`s it)
-  and is free when none is left; a prompt's samples (`copy_row`) and rows whose prefix the store holds take such
-  blocks instead of copies, and a row reserves only the blocks it writes.
+- `PagedKVCache`: one pool `[blocks * block, kv_heads, head_dim]` pair per layer (`block`: `BLOCK` slots unless
+  built with another size) and a block table `[rows, max_len / block]` (a static tensor: captured steps read it); a
+  row `reserve`s the blocks of every slot it can come to hold when it joins (its prompt, `max_new_tokens` and the
+  draft's slack), so no row ever waits for a block mid-round, and `release`s them when it leaves. Table entries a
+  row does not own point at block 0, a scratch block that padding writes into and that is always masked. Attention
+  reads the window's blocks gathered into rows (SDPA over gathered blocks), or in captured steps with `flex`
+  attends over the pool in place (`_FlexView`). Whole blocks of slots no row writes again (a prompt's cached prefix)
+  are shared by reference: a block counts its holders (rows, and the prefix store, specdec/exec/prefix.py, that
+  `pin`s it) and is free when none is left; a prompt's samples (`copy_row`) and rows whose prefix the store holds
+  take such blocks instead of copies, and a row reserves only the blocks it writes.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def model_kv_bytes(model) -> int:
     return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
-def blocks_for(slots: int) -> int:
-    """Blocks of a paged cache that `slots` slots take."""
-    return -(-slots // BLOCK)
+def blocks_for(slots: int, block: int = BLOCK) -> int:
+    """Blocks of `block` slots (a paged cache's) that `slots` slots take."""
+    return -(-slots // block)
 
 
 class KVView:
@@ -238,14 +238,14 @@ class _FlexView(_PagedView):
 
         super().__init__(cache, start, end, positions, 0)
         n, t = positions.shape
-        rows, dev, pool = cache.table.shape[0], positions.device, cache.blocks
-        columns = min(blocks_for(kv_len), cache.table.shape[1], pool)  # a row holds fewer blocks than the pool
+        rows, dev, pool, block = cache.table.shape[0], positions.device, cache.blocks, cache.block
+        columns = min(blocks_for(kv_len, block), cache.table.shape[1], pool)  # a row holds fewer blocks than the pool
         table = cache.table[start:end, :columns]
         place = torch.full((rows, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
         place[:n].scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
         at = torch.nn.functional.pad(positions, (0, 0, 0, rows - n))
-        whole = ((positions[:, 0] + 1) // BLOCK).clamp(max=columns)  # the columns every query of a row sees
-        ends = (positions[:, -1] // BLOCK + 1).clamp(max=columns)  # ... and the last one a query of it sees
+        whole = ((positions[:, 0] + 1) // block).clamp(max=columns)  # the columns every query of a row sees
+        ends = (positions[:, -1] // block + 1).clamp(max=columns)  # ... and the last one a query of it sees
         counts = torch.zeros((2, rows, 1, 1), dtype=torch.int32, device=dev)  # masked, whole blocks a row visits
         counts[0, :n, 0, 0], counts[1, :n, 0, 0] = ends - whole, whole
         blocks = torch.zeros((2, rows, 1, 1, pool), dtype=torch.int32, device=dev)  # which
@@ -253,13 +253,13 @@ class _FlexView(_PagedView):
         blocks[0, :n, 0, 0, :columns], blocks[1, :n, 0, 0, :columns] = table.gather(1, after), table
 
         def seen(b, h, q, kv):
-            column = place[b, kv // BLOCK]
-            return (column >= 0) & (column * BLOCK + kv % BLOCK <= at[b, q])
+            column = place[b, kv // block]
+            return (column >= 0) & (column * block + kv % block <= at[b, q])
 
-        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], counts[1], blocks[1], BLOCK_SIZE=(128, BLOCK),
-                                             mask_mod=seen, seq_lengths=(t, pool * BLOCK), compute_q_blocks=False)
-        # CUDA's main flex kernel wants its key tile to divide a block (16 slots)
-        self.options = {"BLOCK_N": BLOCK} if dev.type == "cuda" else None
+        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], counts[1], blocks[1], BLOCK_SIZE=(128, block),
+                                             mask_mod=seen, seq_lengths=(t, pool * block), compute_q_blocks=False)
+        # CUDA's flex kernels want their key tile to divide a block (their own tiles divide one of 128 slots)
+        self.options = {"BLOCK_N": block} if dev.type == "cuda" and block < 128 else None
 
     def attend(self, layer, q):
         n, heads, t, hd = q.shape
@@ -272,19 +272,20 @@ class _FlexView(_PagedView):
 
 
 class PagedKVCache(KVCache):
-    """A pool of `blocks` blocks of `BLOCK` slots per layer (block 0: scratch) and a block table per row. A block
+    """A pool of `blocks` blocks of `block` slots per layer (block 0: scratch) and a block table per row. A block
     counts its holders: the rows whose table points at it, and the prefix store (`pin`); it is free when none is
     left. A row writes only the blocks after the ones it holds by reference (`held_slots`)."""
 
-    def __init__(self, model, rows: int, max_len: int, blocks: int):
+    def __init__(self, model, rows: int, max_len: int, blocks: int, block: int = BLOCK):
         super().__init__(model, rows, max_len)
+        self.block = block
         if blocks < 2:
             raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
-        shape = (blocks * BLOCK, self.kv_heads, self.head_dim)
+        shape = (blocks * block, self.kv_heads, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.blocks = blocks
-        self.table = torch.zeros((rows, blocks_for(max_len)), dtype=torch.int64, device=self.device)
+        self.table = torch.zeros((rows, blocks_for(max_len, block)), dtype=torch.int64, device=self.device)
         self.owned: list[list[int]] = [[] for _ in range(rows)]  # host: each row's blocks, in slot order
         self.shared = [0] * rows  # host: how many of a row's first blocks it holds by reference
         self.refs = [0] * blocks  # host: each block's holders
@@ -296,7 +297,7 @@ class PagedKVCache(KVCache):
 
     def physical(self, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Pool slots of logical `slots` [n, t] of the rows whose table rows are `table` [n, columns]."""
-        return table.gather(1, slots // BLOCK) * BLOCK + slots % BLOCK
+        return table.gather(1, slots // self.block) * self.block + slots % self.block
 
     def view(self, start, end, slots, kv_len, attend: bool = False):
         """`attend`: a view that attends with FlexAttention over the pool where the cache has it (`flex`; `slots` are
@@ -323,7 +324,7 @@ class PagedKVCache(KVCache):
     # -- blocks of rows ---------------------------------------------------------------------------
     def free_slots(self) -> int:
         """Free blocks' slots, and those of blocks only the prefix store holds (rows reclaim them)."""
-        return (len(self.free) + (self.prefix.idle_blocks() if self.prefix is not None else 0)) * BLOCK
+        return (len(self.free) + (self.prefix.idle_blocks() if self.prefix is not None else 0)) * self.block
 
     def _lookup(self, prompt: list[int] | None) -> list[int]:
         """The blocks the prefix store holds of a joining row's prompt (none without a store or a prompt)."""
@@ -334,7 +335,7 @@ class PagedKVCache(KVCache):
         being reclaimable; counted for each row that shares them, which can only over-count)."""
         shared = self._lookup(prompt)
         idle = sum(self.refs[b] == 1 for b in shared)
-        return (blocks_for(min(slots, self.max_len)) - len(shared) + idle) * BLOCK
+        return (blocks_for(min(slots, self.max_len), self.block) - len(shared) + idle) * self.block
 
     def reserve(self, row: int, slots: int) -> None:
         self.reserve_rows([row], [slots])
@@ -347,7 +348,7 @@ class PagedKVCache(KVCache):
             self.release(row)
             self._adopt(row, self._lookup(prompt))
         for row, n in zip(rows, slots):
-            need = blocks_for(min(n, self.max_len)) - len(self.owned[row])
+            need = blocks_for(min(n, self.max_len), self.block) - len(self.owned[row])
             if need > len(self.free) and self.prefix is not None:
                 self.prefix.reclaim(need - len(self.free))
             if need > len(self.free):
@@ -366,7 +367,7 @@ class PagedKVCache(KVCache):
             self.table[row] = 0
 
     def held_slots(self, row: int) -> int:
-        return self.shared[row] * BLOCK
+        return self.shared[row] * self.block
 
     def pin(self, block: int) -> None:
         """One more holder of `block` (the prefix store keeps it)."""
@@ -417,9 +418,9 @@ class PagedKVCache(KVCache):
         again) and copies the slots of the last, partial one."""
         if src == dst or length <= 0:
             return
-        whole = length // BLOCK
+        whole = length // self.block
         self.adopt(dst, self.owned[src][:whole])
-        lo = self.shared[dst] * BLOCK
+        lo = self.shared[dst] * self.block
         if lo < length:
             at_src, at_dst = self._row_slots(src, lo, length), self._row_slots(dst, lo, length)
             for buf in (*self.k, *self.v):
@@ -437,7 +438,7 @@ class PagedKVCache(KVCache):
 
     def block_bytes(self) -> int:
         """Bytes one block takes in every layer (keys and values)."""
-        return 2 * self.num_layers * BLOCK * self.kv_heads * self.head_dim * self.k[0].element_size()
+        return 2 * self.num_layers * self.block * self.kv_heads * self.head_dim * self.k[0].element_size()
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 - fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
+  a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
 - generic: transformers' own modules over the same ragged cache, eager (the engine before the fast path);
 - hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -132,11 +134,12 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
     busy fraction: None off CUDA, and with `kernels` the top kernels of its steps: `kernel_table`) of
     `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
-    paged = path.startswith("fast-paged")
+    paged = re.fullmatch(r"fast-paged(-flex)?(\d*)", path)
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic",
                      overlap=path != "fast-serial", kv_cache="paged" if paged else "dense",
-                     paged_attention="flex" if path == "fast-paged-flex" else "gather")
+                     paged_attention="flex" if paged and paged[1] else "gather",
+                     kv_block=int(paged[2]) if paged and paged[2] else 16)
     first = timed(lambda: eng.generate(prompts))
     eng.context.staging.device_s = 0.0
     wall = timed(lambda: eng.generate(prompts))
@@ -210,7 +213,7 @@ def main():
     log(args.out, environment())
     log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
                   f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    log(args.out, f"{'shape':8s} {'path':14s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} "
+    log(args.out, f"{'shape':8s} {'path':17s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} "
                   f"{'first run s':>11s} {'busy':>5s}  step path")
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.deadline:
@@ -242,12 +245,12 @@ def main():
                     (tok_s, first), step_path, busy, table = hf_tok_s(model, name.split()[1], batch, prompts[batch],
                                                                       args.max_new), "", None, []
             except Exception as exc:  # a reference that fails here is reported, not fatal
-                log(args.out, f"{shape:8s} {name:14s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
+                log(args.out, f"{shape:8s} {name:17s} {batch:5d} failed: {type(exc).__name__}: {exc}"[:400])
                 continue
             got[name, batch] = tok_s
             rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
             bz = "-" if busy is None else f"{busy:.2f}"
-            log(args.out, f"{shape:8s} {name:14s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
+            log(args.out, f"{shape:8s} {name:17s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
                           f"{step_path}")
             for line in table:
                 log(args.out, line)

@@ -70,7 +70,8 @@ class SpecEngine:
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
     the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool);
     `paged_attention`: how a paged cache's captured steps attend, over its rows' blocks gathered ("gather") or with
-    FlexAttention over the pool in place ("flex": compiled once per model and queries' width).
+    FlexAttention over the pool in place ("flex": compiled once per model and queries' width); `kv_block`: slots per
+    block of a paged pool (and of the prefix store's blocks: a multiple of 16; FlexAttention tiles keys by it).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
@@ -87,7 +88,7 @@ class SpecEngine:
                  prefix_caching: bool = True, prefix_cache_bytes: int = 1 << 30, prefill_chunk: int | None = 2048,
                  kv_cache: str = "dense", join_prefills: bool = True, overlap: bool = True,
                  profile_cache: str | None = None, capture_budget: float | None = None,
-                 paged_attention: str = "gather",
+                 paged_attention: str = "gather", kv_block: int = BLOCK,
                  step_fault: Callable[[tuple], str | None] | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
@@ -98,6 +99,9 @@ class SpecEngine:
         if paged_attention not in ("gather", "flex"):
             raise ValueError(f"paged_attention must be gather or flex, not {paged_attention!r}")
         self.paged_attention = paged_attention
+        if kv_block < BLOCK or kv_block % BLOCK:
+            raise ValueError(f"kv_block must be a multiple of {BLOCK}, not {kv_block}")
+        self.kv_block = kv_block if kv_cache == "paged" else BLOCK
         if kv_cache == "paged" and pair.tp is not None:
             raise ValueError("resources.kv_cache: paged does not run with a tensor-parallel target yet (use dense)")
         self.kv_cache = kv_cache
@@ -122,7 +126,7 @@ class SpecEngine:
         self._runners: dict[str, ModelRunner] = {}
         self.prefix = Prefixes(prefix_cache_bytes, {
             name: model_kv_bytes(model) for name, model in self._models().items()
-            if not (name == "target" and pair.tp is not None)}) if prefix_caching else None
+            if not (name == "target" and pair.tp is not None)}, self.kv_block) if prefix_caching else None
         max_draft = self.method.max_draft(spec)
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/exec/memory.py)
         self.graph_width = max_draft + 1
@@ -227,7 +231,7 @@ class SpecEngine:
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
                                  additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
                                  paged=self.kv_cache == "paged",
-                                 flex=self.kv_cache == "paged" and self.paged_attention == "flex")
+                                 flex=self.kv_cache == "paged" and self.paged_attention == "flex", block=self.kv_block)
 
     def resident_bytes(self) -> int:
         """Device bytes the engine holds between generate() calls: its caches, captured steps and kept prefixes."""
@@ -284,7 +288,7 @@ class SpecEngine:
                 self._runners[name] = TPRunner(self.pair.tp, rows, max_len, key=id(self))
                 continue
             if self.kv_cache == "paged":
-                cache = PagedKVCache(model, rows, max_len, blocks)
+                cache = PagedKVCache(model, rows, max_len, blocks, self.kv_block)
                 cache.flex = compiled_flex() if self.paged_attention == "flex" else None
             else:
                 cache = RaggedKVCache(model, rows, max_len)
@@ -328,7 +332,7 @@ class SpecEngine:
         whole), built whole: the models' prefills, its proposer, `policy`'s per-row state, the rows' output formats
         (`formats`: some row may have one) and, with `prefixes`, the engine's prefix stores (over a paged pool they
         pin its blocks)."""
-        self.hold(memory.Caches(rows, max_len, memory.pool_blocks([self.alloc_len(max_len)] * rows)
+        self.hold(memory.Caches(rows, max_len, memory.pool_blocks([self.alloc_len(max_len)] * rows, self.kv_block)
                                 if blocks is None else blocks))
         target = self._runners["target"]
         draft = self._runners["draft"] if self.method.draft_model else None
@@ -440,11 +444,11 @@ class SpecEngine:
             plan = plan and self.memory_plan()  # again: measuring the costs may have allocated caches
             slots = [self.row_tokens(len(requests[i].prompt), requests[i].sp.max_new_tokens) for i in todo]
             want = min(self.batch_size, len(todo))
-            blocks = memory.pool_blocks(sorted(slots, reverse=True)[:want])  # a paged pool for the longest rows at once
+            blocks = memory.pool_blocks(sorted(slots, reverse=True)[:want], self.kv_block)  # the longest rows at once
             self.need = self.size_batch(plan, requests, todo, slots, want)
             if self.need is not None:  # the plan's caches: the current ones, or fresh ones it fits
                 need = self.need
-                blocks = need.pool // BLOCK if need.pool else blocks
+                blocks = need.pool // self.kv_block if need.pool else blocks
                 self.hold(memory.Caches(need.rows, need.max_len, blocks), exact=True)
                 want = need.batch
                 if self.prefix is not None and not need.pool:  # the prefixes keep what was held and what rows leave

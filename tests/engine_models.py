@@ -60,14 +60,14 @@ def flat_profile(max_width: int = 65) -> Profile:
 
 
 def engine(target, draft, method="draft_model", bs=8, max_new=MAX_NEW, stop=(), prefix_caching=True,
-           prefill_chunk: int | None = 2048, kv_cache: str = "dense", **spec) -> SpecEngine:
+           prefill_chunk: int | None = 2048, kv_cache: str = "dense", kv_block: int = 16, **spec) -> SpecEngine:
     """An engine with the job's default policy unless `spec` names another. goodput (the default) gets
     `flat_profile` and a clock that ticks once per round, so it drafts, the same way on any machine."""
     ticks = itertools.count()
     return SpecEngine(pair(target, draft, stop), SamplingParams(max_new_tokens=max_new),
                       SpecConfig(method=method, **spec), batch_size=bs, profile=flat_profile(),
                       clock=lambda: float(next(ticks)), prefix_caching=prefix_caching, prefill_chunk=prefill_chunk,
-                      kv_cache=kv_cache)
+                      kv_cache=kv_cache, kv_block=kv_block)
 
 
 def run(target, draft, prompts, method="draft_model", bs=8, k=None, max_new=MAX_NEW, stop=(), **spec):

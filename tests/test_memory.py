@@ -87,12 +87,12 @@ def models():
 
 
 def make_engine(models, method="draft_model", bs=4, max_new=16, m=4, draft="draft", figures=(1 << 40, 1 << 40),
-                sp=None, prefill_chunk: int | None = 2048, kv_cache: str = "dense", **spec):
+                sp=None, prefill_chunk: int | None = 2048, kv_cache: str = "dense", kv_block: int = BLOCK, **spec):
     spec = {"max_draft_tokens": m, "num_draft_tokens": m, "draft_length": "fixed", **spec}
     eng = SpecEngine(pair(models["target"], models[draft] if method == "draft_model" else None),
                      SamplingParams(max_new_tokens=max_new, **(sp or {})), SpecConfig(method=method, **spec),
                      batch_size=bs, step_graphs=True, profile=flat_profile(), prefill_chunk=prefill_chunk,
-                     kv_cache=kv_cache)
+                     kv_cache=kv_cache, kv_block=kv_block)
     eng.device_memory = lambda: figures
     return eng
 
@@ -292,11 +292,12 @@ def test_a_batch_the_memory_bounds_still_keeps_the_prefix_its_rows_share(models,
     assert 1 <= eng.need.batch < 8 and peak.peak <= plan.budget
 
 
-def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_graphs, monkeypatch):
+@pytest.mark.parametrize("block", [BLOCK, 64])
+def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_graphs, monkeypatch, block):
     """Mixed lengths under a budget that fits 2 dense rows (every row sized for the longest): the paged cache's
-    pool holds the short rows' own slots, so twice the rows run at once, within the budget, with the same output,
-    and rows that find no free blocks wait for them. (An 8-layer model: its keys and values, not its logits, take
-    most of a row's bytes, as a real model's do.)"""
+    pool holds the short rows' own slots (in blocks of 16 or 64), so twice the rows run at once, within the budget,
+    with the same output, and rows that find no free blocks wait for them. (An 8-layer model: its keys and values,
+    not its logits, take most of a row's bytes, as a real model's do.)"""
     models = {"target": tiny_llama(vocab=300, layers=8, seed=0).cpu()}
     lengths = [400, 40, 30, 50, 20, 45, 35, 25]
     dense = make_engine(models, "none", bs=8, prefill_chunk=64)
@@ -304,7 +305,7 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
     dense.device_memory = lambda: figures
     ref = [r.token_ids for r in dense.generate(prompts_of(lengths))]
     assert dense.need.batch == 2
-    eng = make_engine(models, "none", bs=8, figures=figures, prefill_chunk=64, kv_cache="paged")
+    eng = make_engine(models, "none", bs=8, figures=figures, prefill_chunk=64, kv_cache="paged", kv_block=block)
     plan = eng.memory_plan()
     held = []
     real_launch = Rounds.launch
@@ -313,7 +314,8 @@ def test_paged_rows_under_the_budget_of_two_dense_ones_run_more_at_once(kept_gra
         out = eng.generate(prompts_of(lengths))
     assert [r.token_ids for r in out] == ref
     pool = eng._runners["target"].cache
-    assert eng.need.pool == pool.blocks * BLOCK < sum(pool.reservation(eng.row_tokens(n)) for n in lengths)
+    assert pool.block == plan.block == block
+    assert eng.need.pool == pool.blocks * block < sum(pool.reservation(eng.row_tokens(n)) for n in lengths)
     assert max(held) >= 2 * dense.need.batch
     assert peak.peak <= plan.budget
 

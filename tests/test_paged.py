@@ -135,12 +135,13 @@ def test_flex_view_attends_as_the_rows_gathered_blocks_do(width, block):
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(4, width, heads * hd))
 
 
-def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, drafts, prompts, reference):
+@pytest.mark.parametrize("block", [BLOCK, 64])
+def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, drafts, prompts, reference, block):
     """`paged_attention="flex"`: the captured steps (here the padded static steps a CPU runs) attend with
     FlexAttention over the pool in place, prefix blocks shared by reference; rows joining through a batch of 2, a
-    fixed k=2 draft model (its catch-up, draft steps and 3-wide verification all captured steps): transformers'
-    greedy tokens, the steps did attend that way, and FlexAttention compiled once per queries' width and pool,
-    not again for each step's rows."""
+    fixed k=2 draft model (its catch-up, draft steps and 3-wide verification all captured steps), blocks of 16 and
+    64 slots: transformers' greedy tokens, the steps did attend that way, and FlexAttention compiled once per
+    queries' width and pool, not again for each step's rows."""
     from torch._dynamo.utils import counters
 
     import specdec.exec.cache as cache_mod
@@ -154,7 +155,7 @@ def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, d
 
     eng = SpecEngine(pair(target, drafts["noisy"]), SamplingParams(max_new_tokens=MAX_NEW),
                      SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=2), batch_size=2,
-                     kv_cache="paged", paged_attention="flex", step_graphs=True)
+                     kv_cache="paged", paged_attention="flex", step_graphs=True, kv_block=block)
     cache_mod._FlexView.attend = attend
     compiled = counters["stats"]["unique_graphs"]
     try:
@@ -166,8 +167,11 @@ def test_flex_attention_over_the_pool_gives_transformers_greedy_output(target, d
     assert {shape[2] for shape in seen} >= {1, 4}  # draft steps and the padded 3-wide verification
     assert {shape[0] for shape in seen} == {1, 2}  # steps of one row and of two
     assert counters["stats"]["unique_graphs"] - compiled <= len({shape[1:] for shape in seen})
+    assert eng._runners["draft"].cache.block == block
     with pytest.raises(ValueError, match="paged_attention"):
         SpecEngine(pair(target), SamplingParams(), SpecConfig(method="none"), paged_attention="blocks")
+    with pytest.raises(ValueError, match="kv_block must be a multiple of 16, not 24"):
+        SpecEngine(pair(target), SamplingParams(), SpecConfig(method="none"), kv_cache="paged", kv_block=24)
 
 
 @pytest.mark.parametrize("path", [{"fast_path": False}, {"step_graphs": True}])
@@ -192,19 +196,23 @@ def test_sampled_rows_samples_trees_and_every_path_equal_the_dense_cache(target,
     assert runs["paged"] == runs["dense"]
 
 
-def test_shared_prefixes_are_reused_into_paged_rows(target):
+@pytest.mark.parametrize("block", [BLOCK, 32])
+def test_shared_prefixes_are_reused_into_paged_rows(target, block):
     """Over a paged cache the store's blocks are pool blocks that later rows point at: rows reuse the shared
-    instruction, give the tokens of a run without the store, and the store holds no copy."""
+    instruction, give the tokens of a run without the store, and the store holds no copy; with blocks of 16 slots
+    and of 32 (`kv_block`: the pool's and the store's blocks)."""
     g = torch.Generator().manual_seed(4)
     shared = torch.randint(0, 96, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 96, (n,), generator=g).tolist() for n in (3, 9, 5, 12, 7)]
-    eng = engine(target, None, "none", 2, kv_cache="paged")
+    eng = engine(target, None, "none", 2, kv_cache="paged", kv_block=block)
     got = eng.generate(prompts)
     ref = engine(target, None, "none", 2, prefix_caching=False).generate(prompts)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    assert sum(r.cached_prompt_tokens for r in got) >= 4 * 32
+    assert eng._runners["target"].cache.block == eng.prefix["target"].block == block
+    assert sorted(r.cached_prompt_tokens for r in got) == [0] + [32] * 4  # whole blocks of the 40 shared tokens
     store, cache = eng.prefix["target"], eng._runners["target"].cache
-    assert store.pool is cache and len(store.blocks) >= 2 and store.device_bytes == 0 == eng.prefix.device_bytes
+    assert store.pool is cache and len(store.blocks) >= 32 // block
+    assert store.device_bytes == 0 == eng.prefix.device_bytes
     assert all(cache.refs[b.pool] == 1 for b in store.blocks.values())  # pinned by the store alone, rows gone
 
 

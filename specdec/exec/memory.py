@@ -204,6 +204,7 @@ class MemoryPlan:
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads
     flex: bool = False  # captured steps over a paged pool attend with FlexAttention in place (a block mask each)
+    block: int = BLOCK  # slots per block of a paged pool
     held: int = 0  # bytes held back for the prefix store: the prefixes a batch's rows share (`prefix_room`)
     slack: int = GiB // 2
 
@@ -219,13 +220,13 @@ class MemoryPlan:
         slots = rows * max_len if pool is None else pool
         kv = slots * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
         if pool is not None:
-            kv += len(self.roles) * 8 * rows * blocks_for(max_len)
+            kv += len(self.roles) * 8 * rows * blocks_for(max_len, self.block)
         graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
                      for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
         if graphs:  # and the pool keeps the working memory of the widest step captured
             graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
             if self.flex and pool is not None:
-                graphs += FLEX_MASK_BYTES * rows * (pool // BLOCK)
+                graphs += FLEX_MASK_BYTES * rows * (pool // self.block)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
         round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \
@@ -327,9 +328,9 @@ def alloc_len(slots: int, max_positions: int) -> int:
     return max(slots, min(quarter_steps(slots) + 1, max_positions))
 
 
-def pool_blocks(slots: Sequence[int]) -> int:
-    """Blocks of a paged cache that holds rows of these `slots` at once, and the scratch block."""
-    return 1 + sum(blocks_for(s) for s in slots)
+def pool_blocks(slots: Sequence[int], block: int = BLOCK) -> int:
+    """Blocks (of `block` slots) of a paged cache that holds rows of these `slots` at once, and the scratch block."""
+    return 1 + sum(blocks_for(s, block) for s in slots)
 
 
 def grown(current: Caches | None, want: Caches, length: Callable[[int], int]) -> Caches:
@@ -367,11 +368,11 @@ def paged_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, slots: l
     to what the longest rows reserve together; or the `current` caches, when the plan fits them and they have as
     many rows and blocks. Rows join while blocks are free. Raises `OutOfMemoryPlan` when not one row fits."""
     size = length(row_len)
-    mean = sum(blocks_for(s) for s in own) / len(own)
-    least = pool_blocks(slots[:1])  # the longest row alone
+    mean = sum(blocks_for(s, plan.block) for s in own) / len(own)
+    least = pool_blocks(slots[:1], plan.block)  # the longest row alone
 
     def need(rows: int, blocks: int) -> Need:
-        return plan.need(rows, size, rows, row_len, prompt, pool=blocks * BLOCK)
+        return plan.need(rows, size, rows, row_len, prompt, pool=blocks * plan.block)
 
     def serves(blocks: int, rows: int) -> bool:  # the longest row alone, and the shared and the mean rows together
         return blocks >= least and blocks - 1 - shared >= rows * mean
@@ -380,7 +381,7 @@ def paged_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, slots: l
 
     def pool(rows: int) -> int:  # the most blocks that fit beside `rows` rows' steps and activations
         if rows not in pools:
-            most = max(least, pool_blocks(own[:rows]) + shared)
+            most = max(least, pool_blocks(own[:rows], plan.block) + shared)
             pools[rows] = largest(lambda b: plan.fits(need(rows, b)), most)
         return pools[rows]
 
@@ -389,7 +390,7 @@ def paged_sizes(plan: MemoryPlan, want: int, row_len: int, prompt: int, slots: l
         raise plan.refuse(need(1, least), f"one row of {row_len} slots")
     if current is not None and current.max_len >= size and current.rows >= rows and serves(current.blocks, rows):
         keep = plan.need(current.rows, current.max_len, min(want, current.rows), row_len, prompt,
-                         pool=current.blocks * BLOCK)
+                         pool=current.blocks * plan.block)
         if plan.fits(keep):  # the current caches, and their captured steps, serve as many rows
             return keep
     return need(rows, pool(rows))

@@ -1,8 +1,11 @@
 """Greedy rows of the real pair against transformers' `generate` on the same device: the scenario in which an H200
 once gave 0 of 8 rows equal at batch 8 (float32, 8 held-out chat prompts, an engine budget of 128 new tokens, 48
 asked per row), at each batch size and method. A check for the GPU kit's third call (where the real pair arrives),
-not a timing: it prints, per method and batch size, how many rows equal transformers' tokens and the first token
-where each other row parts.
+not a timing: it prints, per method and batch size, how many rows equal transformers' tokens and, for each other
+row, the first token where it parts with transformers' logit margin there (its token's logit minus ours, and its
+top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for the first case with
+parted rows, how many are equal with the captured steps off and with the compiled layer off (where those are on:
+CUDA).
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
@@ -24,6 +27,7 @@ from prompts import HELD_OUT, chat_ids  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
+from specdec.exec.runner import ModelRunner  # noqa: E402
 
 METHODS = {"none": SpecConfig(method="none"),
            "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)}
@@ -35,6 +39,29 @@ def parted(got: list[int], want: list[int]) -> int | None:
         if a != b:
             return i
     return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def margin(pair, prompt: list[int], want: list[int], got: list[int], at: int) -> str:
+    """At the first token where `got` parts with transformers' `want`: transformers' logits after the prompt and
+    the tokens before it (float32), as "at:its token's logit minus ours/its top-2 gap"."""
+    ids = torch.tensor([prompt + want[:at]], device=pair.device)
+    logits = pair.target(ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    ours = f"{(logits[want[at]] - logits[got[at]]).item():.1e}" if at < min(len(want), len(got)) else "end"
+    return f"{at}:{ours}/{(top[0] - top[1]).item():.1e}"
+
+
+def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
+    """Rows equal to `want`, each other row's `margin`, and the engine's step path."""
+    eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.budget), METHODS[method], batch_size=bs,
+                     capture_budget=args.capture_budget, **engine)
+    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=args.max_new)] * len(prompts))
+    cells = []
+    for p, w, r in zip(prompts, want, out):
+        at = parted(r.token_ids, w)
+        if at is not None:
+            cells.append(margin(pair, p, w, r.token_ids, at))
+    return len(prompts) - len(cells), cells, eng.step_path
 
 
 def main():
@@ -53,22 +80,33 @@ def main():
     t0 = time.perf_counter()
     pair = load_bench_pair(args)
     prompts = chat_ids(pair.tokenizer, (HELD_OUT * 4)[: args.prompts])
+    n = len(prompts)
     with torch.inference_mode():
         want = hf_run(pair, prompts, args.max_new)["tokens"]
-    lines = [f"# {describe(pair)}; {len(prompts)} held-out chat prompts, {args.max_new} new tokens under a budget of "
+    lines = [f"# {describe(pair)}; {n} held-out chat prompts, {args.max_new} new tokens under a budget of "
              f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's first "
-             f"differing token", f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted"]
+             f"differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap)",
+             f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted"]
     print("\n".join(lines), flush=True)
+    cuda, diagnosed = str(pair.device).startswith("cuda"), False
     for name in args.methods.split(","):
         for bs in [int(b) for b in args.batches.split(",")]:
-            eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.budget), METHODS[name], batch_size=bs,
-                             capture_budget=args.capture_budget)
-            out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=args.max_new)] * len(prompts))
-            where = [parted(r.token_ids, w) for r, w in zip(out, want)]
-            same = sum(w is None for w in where)
-            lines.append(f"{name:8s} {bs:5d} {same:3d}/{len(prompts):<2d} {eng.step_path:12s} "
-                         f"{[w for w in where if w is not None]}")
+            with torch.inference_mode():
+                same, cells, path = run(pair, prompts, want, name, bs, args)
+            lines.append(f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
             print(lines[-1], flush=True)
+            if same < n and cuda and not diagnosed:  # which part of the CUDA path parts them (once: the budget)
+                diagnosed = True
+                with torch.inference_mode():
+                    graphs_off = run(pair, prompts, want, name, bs, args, step_graphs=False)[0]
+                    ModelRunner.compile_layers = False
+                    try:
+                        layer_off = run(pair, prompts, want, name, bs, args)[0]
+                    finally:
+                        ModelRunner.compile_layers = None
+                lines.append(f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
+                             f"{layer_off}/{n}")
+                print(lines[-1], flush=True)
     lines.append(f"# {time.perf_counter() - t0:.0f} s")
     print(lines[-1])
     if args.out:

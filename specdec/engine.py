@@ -76,7 +76,7 @@ class SpecEngine:
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device
     before the host reads the one before it back (specdec/sched/rounds.py; False: each round waits for the one
     before; bench/host_work.py compares). `capture_budget`: seconds a job may spend, before its rows join,
-    capturing the steps it can meet (`capture_steps`; those left are captured when first met; None:
+    capturing the steps it can meet (`capture_steps`; those left run padded to captured ones at first; None:
     `CAPTURE_BUDGET`). `step_fault`: a test's hook that fails the first fast step of a shape
     (specdec/exec/runner.py `ModelRunner`; workers/faults.py)."""
 
@@ -358,8 +358,9 @@ class SpecEngine:
         """Capture now, before any row joins, the steps a batch of up to `rows` rows whose rows hold from `shortest`
         to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`; as wide as `policy` drafts,
         and the verify widths explored beyond) at every row, width and window bucket; the whole batch's first,
-        narrow windows first, for up to `capture_budget` seconds (a step left out is captured when first met, inside
-        the job). Nothing where no steps are captured (a CPU by default)."""
+        narrow windows first, for up to `capture_budget` seconds (a step left out runs through a captured one that
+        covers it, and is captured once met often: `ModelRunner.cover`). Nothing where no steps are captured (a CPU
+        by default)."""
         t0 = time.perf_counter()
         runners = {name: r for name, r in self._runners.items() if getattr(r, "graphs", None) is not None}
         if not runners:
@@ -377,6 +378,8 @@ class SpecEngine:
             for kv in windows:
                 for name, runner in runners.items():
                     runner.capture([(r, w, kv, not last) for w, last in kinds[name]], deadline)
+        for runner in runners.values():  # steps of shapes left out run through covering ones (ModelRunner.cover)
+            runner.sealed = True
         self.capture_s = time.perf_counter() - t0
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:

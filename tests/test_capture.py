@@ -91,3 +91,27 @@ def test_steps_padded_to_a_width_bucket_give_the_unpadded_steps_tokens():
             widths = {key[1] for key in eng.runner("target").graphs.graphs}
             assert 4 in widths and 3 not in widths  # max_draft_tokens 8: steps up to 9 wide, buckets 1, 2, 4, 8, 9
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("method,draft_length,kv_cache", [("draft_model", "fixed", "dense"),
+                                                          ("draft_model", "goodput", "paged")])
+def test_steps_left_out_run_padded_to_captured_ones_until_met_often(method, draft_length, kv_cache, monkeypatch):
+    """A job whose start-up captured nothing (budget 0): a step of a shape not captured yet runs through a captured
+    one with more rows, tokens or slots (`ModelRunner.cover`) until it is met more than COVER_STEPS times, and is
+    captured then (one that nothing covers is captured when first met); so the job captures fewer shapes than one
+    that captures each when first met (COVER_STEPS 0), more with COVER_STEPS 2 than with 32, and its tokens are those
+    of either."""
+    from specdec.exec.runner import ModelRunner
+
+    runs = {}
+    for most in (0, 2, ModelRunner.COVER_STEPS):
+        monkeypatch.setattr(ModelRunner, "COVER_STEPS", most)
+        eng, out, before, after = job(method, draft_length, kv_cache, budget=0.0)
+        assert not before
+        runs[most] = [r.token_ids for r in out], after
+        for name, runner in eng._runners.items():  # a shape met often was captured
+            assert all((name, key) in after for key, met in runner.met.items() if met > most)
+    tokens = [t for t, _ in runs.values()]
+    assert tokens[0] == tokens[1] == tokens[2]
+    captured = [len(after) for _, after in runs.values()]
+    assert captured[0] > captured[1] > captured[2] > 0, captured

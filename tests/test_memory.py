@@ -111,6 +111,7 @@ def visit_every_key(eng, keys: dict[str, set]) -> None:
 def _visit(eng, keys: dict[str, set]) -> None:
     for name, runner in eng._runners.items():
         dev = runner.device
+        runner.sealed = False  # a long job meets each step often enough to capture it (ModelRunner.cover)
         for rows, width, kv, full in sorted(keys.get(name, ())):
             positions = (kv - width + torch.arange(width, device=dev))[None, :].expand(rows, width)
             tokens = torch.zeros((rows, width), dtype=torch.int64, device=dev)

@@ -44,6 +44,10 @@ _said: set[str] = set()  # fallback reasons already logged by this process
 class ModelRunner:
     max_graph_width = 32  # wider steps (a draft catching up on many tokens) run eagerly
     min_kv_bucket = 64
+    # once a job's steps are captured (`sealed`), a step of a shape not captured yet runs through a captured one that
+    # covers it (`cover`) the first COVER_STEPS times it is met, and is captured after that: shapes a job meets a few
+    # times (its last rows) cost no capture inside it, shapes it meets often pay theirs once
+    COVER_STEPS = 32
 
     # run the lean layer through torch.compile: None on GPUs only (on CPU it is slower), True / False always /
     # never (bench/step_speed.py compares: fast, fast-uncompiled, fast-compiled)
@@ -75,6 +79,8 @@ class ModelRunner:
         self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
         self.checked: set[tuple] = set()  # shapes whose fast step matched eager
         self.eager: dict[tuple, str] = {}  # shapes sent to the eager path, with the reason
+        self.sealed = False  # steps of shapes not captured yet run through covering ones for a while (`cover`)
+        self.met: dict[tuple, int] = {}  # how often each shape not captured yet was met since `sealed`
 
     @property
     def path(self) -> str:
@@ -137,14 +143,15 @@ class ModelRunner:
         it runs eagerly)."""
         return self._forward(tokens, positions, kv_len, last, slots, mask)
 
-    def _forward(self, tokens, positions, kv_len, last=None, slots=None, mask=None):
+    def _forward(self, tokens, positions, kv_len, last=None, slots=None, mask=None, exact=False):
         n, t = tokens.shape
         kv_len = min(kv_len, self.cache.max_len)
         eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
                         layer=llama.layer_forward)
         graphed = self.graphs is not None and t <= self.max_graph_width and mask is None
         if graphed:
-            key = rows, width, kv, _ = self.key(n, t, kv_len, last is None)
+            key = self.key(n, t, kv_len, last is None)
+            key = rows, width, kv, _ = key if exact else self.cover(key)
             if width > t:  # junk columns after each row's last, at the next positions (slots no token reads yet)
                 tokens = F.pad(tokens, (0, width - t))
                 positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, width - t + 1,
@@ -169,6 +176,21 @@ class ModelRunner:
         return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), self.max_graph_width),
                 min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len), full)
 
+    def cover(self, key: tuple[int, int, int, bool]) -> tuple[int, int, int, bool]:
+        """The captured step to run a step of `key` through: `key` itself where it is captured, not `sealed`, or met
+        more than COVER_STEPS times (then captured now); else the captured step of the fewest rows x tokens (then the
+        shortest window) with as many rows, tokens and slots or more and the same outputs, where there is one.
+        Padding is what buckets do: junk rows on free cache rows, junk columns past each row's tokens."""
+        if not self.sealed or key in self.graphs.graphs or key in self.eager:
+            return key
+        self.met[key] = self.met.get(key, 0) + 1
+        if self.met[key] > self.COVER_STEPS:
+            return key
+        rows, width, kv, full = key
+        covers = [k for k in self.graphs.graphs if k[3] == full and k[0] >= rows and k[1] >= width and k[2] >= kv
+                  and k not in self.eager]
+        return min(covers, key=lambda k: (k[0] * k[1], k[2]), default=key)
+
     def capture(self, keys: list[tuple[int, int, int, bool]], deadline: float) -> int:
         """Run now each step of `keys` ((rows, width, window, full), in order) that has not run on the fast path,
         over junk inputs, until `time.perf_counter()` passes `deadline`: captured on a GPU and checked against
@@ -184,7 +206,7 @@ class ModelRunner:
             tokens = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
             positions = torch.arange(width, device=self.device).expand(rows, width)
             self._forward(tokens, positions, kv, None if full else torch.zeros(rows, dtype=torch.int64,
-                                                                                device=self.device))
+                                                                                device=self.device), exact=True)
             ran += 1
         return ran
 

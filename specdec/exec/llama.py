@@ -237,11 +237,13 @@ def layer_parts(xs: list[torch.Tensor], layer: Layer, views: list[KVView], index
     return [o.view(x.shape) for o, x in zip(out.split(sizes), xs)]
 
 
-def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int):
+def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int | None):
     """cos, sin [n, 1, t, hd] at the positions, and the mask [n, 1, group * t, kv_len]: a query at position
-    p sees slots 0..p of its own row."""
+    p sees slots 0..p of its own row (None for kv_len None: an attention that masks by the positions itself)."""
     cos = w.cos[positions][:, None]
     sin = w.sin[positions][:, None]
+    if kv_len is None:
+        return cos, sin, None
     slots = torch.arange(kv_len, device=positions.device)
     mask = (slots[None, None, :] <= positions[:, :, None])[:, None]
     return cos, sin, sdpa_mask(mask.repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
@@ -272,12 +274,12 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     """
     n = tokens.shape[0]
     positions = positions.clamp(max=cache.max_len - 1)
-    cos, sin, causal = _rope_and_mask(w, positions, kv_len)
+    own = attend and slots is None and mask is None  # the queries sit at the slots they write
+    kv = cache.view(start, start + n, positions if slots is None else slots.clamp(max=cache.max_len - 1), kv_len,
+                    attend=own)
+    cos, sin, causal = _rope_and_mask(w, positions, None if kv.attends else kv_len)  # (the cache's own masks)
     if mask is not None:
         causal = sdpa_mask(mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
-    own = attend and slots is None and mask is None  # the queries sit at the slots they write
-    slots = positions if slots is None else slots.clamp(max=cache.max_len - 1)
-    kv = cache.view(start, start + n, slots, kv_len, attend=own)
     x = embed(w, tokens)
     for index, layer in enumerate(w.layers):
         x = layer_fn(x, layer, kv, index, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)

@@ -11,8 +11,9 @@ Per (batch, longest row, queries per row):
   (index_select, then the same mask): a copy of every row's keys and values per layer per step;
 - `engine`: what the engine's captured steps run with `paged_attention="flex"`: its `PagedKVCache` (blocks of 16
   slots anywhere in the pool; `engineB`: of B slots) and `_FlexView` (compiled FlexAttention over the pool in place,
-  the queries padded to the cache's rows: as many as the largest of `--batches`), one pool for every case of a
-  `--kv`, so a compilation per queries' width; `P mask`: building its block mask (once a step, for every layer);
+  its mask built as the device's kernel wants it: on CUDA for the case's rows, on a CPU its queries padded to the
+  cache's rows, as many as the largest of `--batches`), one pool for every case of a `--kv`, so a compilation per
+  queries' width (and on CUDA per rows); `P mask`: building its block mask (once a step, for every layer);
 - `flex`: FlexAttention over the pool through torch's PagedAttention (pages of `--page` slots, page tables turned
   into a block mask, compiled; blocks past a row's length are skipped): `--flex static` compiles each case's shapes
   anew, `--flex dynamic` once for every case (dynamic shapes; where that fails, the case says why and later cases

@@ -70,7 +70,7 @@ class SpecEngine:
     to hold (specdec/exec/cache.py; on a GPU the pool takes what the memory plan leaves once the rows are sized), less
     the whole prompt blocks it shares by reference (a prompt's samples; prefixes the store keeps, pinned in the pool);
     `paged_attention`: how a paged cache's captured steps attend, over its rows' blocks gathered ("gather") or with
-    FlexAttention over the pool in place ("flex": compiled once per model and queries' width); `kv_block`: slots per
+    FlexAttention over the pool in place ("flex": compiled per model and step shape; `_FlexView`); `kv_block`: slots per
     block of a paged pool (and of the prefix store's blocks: a multiple of 16; FlexAttention tiles keys by it).
     `join_prefills`: rows that join while others decode end their prefill in the round's forward (False: in
     forwards of their own first; bench/join_speed.py compares). `overlap`: a plain round is queued on the device

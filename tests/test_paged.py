@@ -97,18 +97,21 @@ def test_paged_rows_give_transformers_greedy_output(target, drafts, prompts, ref
         assert cache.blocks == memory.pool_blocks(longest)
 
 
-@pytest.mark.parametrize("width, block", [(1, BLOCK), (4, BLOCK), (3, 64)])
-def test_flex_view_attends_as_the_rows_gathered_blocks_do(width, block):
+@pytest.mark.parametrize("width, block, splits", [(1, BLOCK, False), (4, BLOCK, False), (4, BLOCK, True),
+                                                 (3, 64, False), (3, 64, True)])
+def test_flex_view_attends_as_the_rows_gathered_blocks_do(width, block, splits, monkeypatch):
     """The engine's FlexAttention view over a pool whose blocks lie anywhere (`_FlexView`, compiled as captured
-    steps run it), blocks of the default size and of another: for a window of 4 of a cache's 6 rows, rows whose
-    queries start and end on either side of a block's edge (whole blocks visited unmasked, the rest through the
-    mask), one sharing another's whole blocks by reference, and a window wider than every row: the same output as
-    SDPA over the rows' gathered blocks with each query seeing the slots up to its position."""
+    steps run it), blocks of the default size and of another, its mask as a CPU's kernel wants it (rows padded, whole
+    blocks unmasked) and as CUDA's does (`splits`: the step's rows, every block masked; one query per row does not
+    compile on a CPU that way): for a window of 4 of a cache's 6 rows, rows whose queries start and end on either
+    side of a block's edge, one sharing another's whole blocks by reference, and a window wider than every row: the
+    same output as SDPA over the rows' gathered blocks with each query seeing the slots up to its position."""
     import torch.nn.functional as F
 
     from specdec.exec.cache import _FlexView
     from specdec.exec.graphs import compiled_flex
 
+    monkeypatch.setattr(_FlexView, "splits", splits)
     model = tiny_llama(layers=1)
     cache = PagedKVCache(model, rows=6, max_len=6 * block, blocks=1 + 30, block=block)
     cache.flex = compiled_flex()

@@ -224,28 +224,35 @@ class _PagedView(KVView):
 
 class _FlexView(_PagedView):
     """A paged view that attends with FlexAttention over the pool in place (no gathered copy of the rows' blocks).
-    A row visits the blocks of its table up to its last query's position: whole, without a mask, those every query
-    of the row sees (below its first query's position); through the mask the others, where a slot is seen if its
-    place in the row (its block's column in the table) is at most the query's position. `positions` [n, t] are the
-    queries' (the slots a step writes, for chains; increasing along a row). Its queries are padded to every row of
-    the cache (a padded row visits no block), so its shapes depend on the queries' width and the pool only: one
-    compilation per model and width, whatever the step's rows and window."""
+    A row visits the blocks of its table up to its last query's position, where a slot is seen if its place in the
+    row (its block's column in the table) is at most the query's position. `positions` [n, t] are the queries' (the
+    slots a step writes, for chains; increasing along a row).
+
+    How the kernels want it (`splits`: None, on CUDA): CUDA's kernel for short queries splits each row's blocks
+    across programs as the batch's rows leave room for, and only its masked blocks (with whole ones it tiles the
+    pool), so there a step keeps its rows and every block it visits is masked. A CPU's kernel for one query
+    compiles only with whole blocks: there the blocks below a row's first query are visited whole (no mask), and
+    the queries are padded to every row of the cache (a padded row visits no block), so that its shapes depend on
+    the queries' width and the pool only: one compilation per model and width."""
 
     attends = True
+    splits: bool | None = None  # CUDA's way (True) or a CPU's (False); None: by the device
 
     def __init__(self, cache: PagedKVCache, start: int, end: int, positions: torch.Tensor, kv_len: int):
         from torch.nn.attention.flex_attention import BlockMask
 
         super().__init__(cache, start, end, positions, 0)
         n, t = positions.shape
-        rows, dev, pool, block = cache.table.shape[0], positions.device, cache.blocks, cache.block
+        dev, pool, block = positions.device, cache.blocks, cache.block
+        splits = dev.type == "cuda" if self.splits is None else self.splits
+        rows = n if splits else cache.table.shape[0]
         columns = min(blocks_for(kv_len, block), cache.table.shape[1], pool)  # a row holds fewer blocks than the pool
         table = cache.table[start:end, :columns]
         place = torch.full((rows, pool), -1, dtype=torch.int64, device=dev)  # each block's column in a row's table
         place[:n].scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
         at = torch.nn.functional.pad(positions, (0, 0, 0, rows - n))
-        whole = ((positions[:, 0] + 1) // block).clamp(max=columns)  # the columns every query of a row sees
-        ends = (positions[:, -1] // block + 1).clamp(max=columns)  # ... and the last one a query of it sees
+        ends = (positions[:, -1] // block + 1).clamp(max=columns)  # the columns a row's queries see
+        whole = ends * 0 if splits else ((positions[:, 0] + 1) // block).clamp(max=columns)  # ... all of them
         counts = torch.zeros((2, rows, 1, 1), dtype=torch.int32, device=dev)  # masked, whole blocks a row visits
         counts[0, :n, 0, 0], counts[1, :n, 0, 0] = ends - whole, whole
         blocks = torch.zeros((2, rows, 1, 1, pool), dtype=torch.int32, device=dev)  # which
@@ -256,8 +263,9 @@ class _FlexView(_PagedView):
             column = place[b, kv // block]
             return (column >= 0) & (column * block + kv % block <= at[b, q])
 
-        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], counts[1], blocks[1], BLOCK_SIZE=(128, block),
-                                             mask_mod=seen, seq_lengths=(t, pool * block), compute_q_blocks=False)
+        full = (None, None) if splits else (counts[1], blocks[1])
+        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], *full, BLOCK_SIZE=(128, block), mask_mod=seen,
+                                             seq_lengths=(t, pool * block), compute_q_blocks=False)
         # CUDA's flex kernels want their key tile to divide a block (their own tiles divide one of 128 slots)
         self.options = {"BLOCK_N": block} if dev.type == "cuda" and block < 128 else None
 

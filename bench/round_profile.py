@@ -35,7 +35,16 @@ def main():
     args = ap.parse_args()
     pair = load_bench_pair(args)
     prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(2 * args.batch))])
-    lines = [f"# {describe(pair)}; batch {args.batch}, {len(prompts)} prompts, {args.max_new} new tokens, greedy"]
+    lines: list[str] = []
+
+    def say(*new: str) -> None:  # printed and written as each part ends: a deadline keeps what came before it
+        lines.extend(new)
+        print("\n".join(new), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    say(f"# {describe(pair)}; batch {args.batch}, {len(prompts)} prompts, {args.max_new} new tokens, greedy")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available() and str(pair.device).startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -51,17 +60,11 @@ def main():
         with torch.profiler.profile(activities=activities) as prof:
             eng.generate(prompts)
             sync(eng.device)
-        lines.append(f"## {name}: {wall * 1e3 / rounds:.2f} ms per round ({rounds} rounds, "
-                     f"{sum(r.generated_tokens for r in out) / wall:.0f} tok/s)")
         table = prof.key_averages()
-        lines.append(table.table(sort_by="self_cpu_time_total", row_limit=args.top))
-        if len(activities) > 1:
-            lines.append(table.table(sort_by="self_device_time_total", row_limit=args.top))
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        say(f"## {name}: {wall * 1e3 / rounds:.2f} ms per round ({rounds} rounds, "
+            f"{sum(r.generated_tokens for r in out) / wall:.0f} tok/s)",
+            table.table(sort_by="self_cpu_time_total", row_limit=args.top),
+            *([table.table(sort_by="self_device_time_total", row_limit=args.top)] if len(activities) > 1 else []))
 
 
 if __name__ == "__main__":

@@ -252,20 +252,24 @@ class _FlexView(_PagedView):
         place[:n].scatter_(1, table, torch.arange(columns, device=dev).expand(n, columns).contiguous())
         at = torch.nn.functional.pad(positions, (0, 0, 0, rows - n))
         ends = (positions[:, -1] // block + 1).clamp(max=columns)  # the columns a row's queries see
-        whole = ends * 0 if splits else ((positions[:, 0] + 1) // block).clamp(max=columns)  # ... all of them
-        counts = torch.zeros((2, rows, 1, 1), dtype=torch.int32, device=dev)  # masked, whole blocks a row visits
-        counts[0, :n, 0, 0], counts[1, :n, 0, 0] = ends - whole, whole
-        blocks = torch.zeros((2, rows, 1, 1, pool), dtype=torch.int32, device=dev)  # which
-        after = (whole[:, None] + torch.arange(columns, device=dev)).clamp(max=columns - 1)
-        blocks[0, :n, 0, 0, :columns], blocks[1, :n, 0, 0, :columns] = table.gather(1, after), table
+        kinds = 1 if splits else 2  # masked blocks, and (a CPU's) whole ones
+        counts = torch.zeros((kinds, rows, 1, 1), dtype=torch.int32, device=dev)  # the blocks a row visits
+        blocks = torch.zeros((kinds, rows, 1, 1, pool), dtype=torch.int32, device=dev)  # which
+        if splits:
+            counts[0, :n, 0, 0], blocks[0, :n, 0, 0, :columns] = ends, table
+        else:  # those every query of a row sees whole, then the rest through the mask
+            whole = ((positions[:, 0] + 1) // block).clamp(max=columns)
+            after = (whole[:, None] + torch.arange(columns, device=dev)).clamp(max=columns - 1)
+            counts[0, :n, 0, 0], counts[1, :n, 0, 0] = ends - whole, whole
+            blocks[0, :n, 0, 0, :columns], blocks[1, :n, 0, 0, :columns] = table.gather(1, after), table
 
         def seen(b, h, q, kv):
             column = place[b, kv // block]
             return (column >= 0) & (column * block + kv % block <= at[b, q])
 
-        full = (None, None) if splits else (counts[1], blocks[1])
-        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], *full, BLOCK_SIZE=(128, block), mask_mod=seen,
-                                             seq_lengths=(t, pool * block), compute_q_blocks=False)
+        whole_blocks = () if splits else (counts[1], blocks[1])
+        self.mask = BlockMask.from_kv_blocks(counts[0], blocks[0], *whole_blocks, BLOCK_SIZE=(128, block),
+                                             mask_mod=seen, seq_lengths=(t, pool * block), compute_q_blocks=False)
         # CUDA's flex kernels want their key tile to divide a block (their own tiles divide one of 128 slots)
         self.options = {"BLOCK_N": block} if dev.type == "cuda" and block < 128 else None
 

@@ -39,9 +39,11 @@ def mixed_rows():
     return model, distinct + distinct[::-1], ref + ref[::-1], shared, greedy(model, shared)
 
 
-def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None) -> list[bool]:
-    """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache)."""
-    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=NEW)] * len(prompts))
+def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
+               most: list[int] | None = None) -> list[bool]:
+    """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache);
+    `most`: each row's max_new_tokens (else 48)."""
+    out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=m) for m in most or [NEW] * len(prompts)])
     if cached is not None:
         cached.extend(r.cached_prompt_tokens for r in out)
     return [r.token_ids == want for r, want in zip(out, ref)]
@@ -88,17 +90,49 @@ def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
     assert sorted(cached) == ([0] + [32] * 7 if prefix_caching else [0] * 8)  # 16-token blocks: one row computed
 
 
+def ending(mixed_rows) -> tuple[tuple[int, ...], list[int], list[list[int]]]:
+    """Rows that end at different rounds, as chat rows end at their EOS: end-of-sequence ids every row stops at (as
+    a model may have several: for 8 of the rows, a token it emits after its 4th), each row its own max_new_tokens
+    (6-48), and transformers' tokens up to each row's end (after its first EOS, kept, or at its max_new_tokens)."""
+    _, prompts, ref, _, _ = mixed_rows
+    g = torch.Generator().manual_seed(5)
+    eos = tuple({r[int(torch.randint(4, NEW, (1,), generator=g))] for r in ref[::4]})
+    most = torch.randint(6, NEW + 1, (len(prompts),), generator=g).tolist()
+    want = [r[: min(next((j + 1 for j, t in enumerate(r) if t in eos), m), m)] for r, m in zip(ref, most)]
+    assert len({len(w) for w in want}) > 8 and sum(w[-1] in eos for w in want) >= 4  # ends spread, some by EOS
+    return eos, most, want
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_greedy_rows_ending_at_different_rounds_at_batch_8(mixed_rows, method):
+    """Rows that end at different rounds (`ending`), 32 through a batch of 8, so rows leave and others join while
+    steps of fewer rows run in the row buckets (the checks above end every plain row at the same round):
+    transformers' tokens up to each row's end, row for row."""
+    model, prompts, _, _, _ = mixed_rows
+    eos, most, want = ending(mixed_rows)
+    spec = SpecConfig(method="none") if method == "none" else \
+        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
+    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
+    eng = SpecEngine(pair(model, draft, stop=eos), SamplingParams(max_new_tokens=128), spec, batch_size=8,
+                     step_graphs=True)
+    same = equal_rows(eng, prompts, want, most=most)
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' ending at different rounds ({eng.step_path})"
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
 @pytest.mark.parametrize("off", ["graphs", "compiled layer"])
 def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, monkeypatch):
-    """The check above at batch 8 with one part of the CUDA path off, the CUDA graphs or the compiled decoder layer:
-    where the check above fails, which of these passes says which part changes tokens."""
+    """The checks above at batch 8 (rows ending together, and at different rounds) with one part of the CUDA path
+    off, the CUDA graphs or the compiled decoder layer: where those fail, which of these passes says which part
+    changes tokens."""
     from specdec.exec.runner import ModelRunner
 
     model, prompts, ref, _, _ = mixed_rows
     if off == "compiled layer":
         monkeypatch.setattr(ModelRunner, "compile_layers", False)
-    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
-                     step_graphs=off != "graphs")
-    same = equal_rows(eng, prompts, ref)
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, {off} off ({eng.step_path})"
+    eos, most, want = ending(mixed_rows)
+    same, ends = (equal_rows(SpecEngine(pair(model, None, stop), SamplingParams(max_new_tokens=128),
+                                        SpecConfig(method="none"), batch_size=8, step_graphs=off != "graphs"),
+                             prompts, *rows) for stop, rows in (((), (ref,)), (eos, (want, None, most))))
+    assert all(same) and all(ends), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, " \
+        f"{sum(ends)}/{len(ends)} ending at different rounds (`ending`), with the {off} off"

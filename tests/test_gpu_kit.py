@@ -126,7 +126,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     for stage, folder in out.items():
         text = (folder / f"{stage}.log").read_text()
         assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
-        assert "/machine/site/pydantic" in (folder / "env.txt").read_text()  # the carried wheels, not site-packages
+        assert "/machine/site/pydantic" in text  # the carried wheels, not site-packages
         assert len(os.listdir(folder)) <= 8  # the device brings back 8 files a call
     for stage, paths in (("first", ("fast", "fast-serial", "hf eager", "hf compiled")),
                          ("second", ("fast", "fast-serial", "generic", "hf eager"))):
@@ -134,13 +134,12 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
         assert re.search(r"^# ops per step \d+, \d+\.\d+ ms per step", speed, re.M), speed  # the profiled step
-    for name in ("test_greedy_batches", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
+    for name in ("test_greedy_batches", "test_overlap", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
     assert "files: tests/test_sampling.py tests/test_noise.py tests/test_capture.py" in \
         (out["first"] / "test_sampling.txt").read_text()
-    assert "files: tests/test_greedy_batches.py tests/test_overlap.py" in \
-        (out["first"] / "test_greedy_batches.txt").read_text()
+    assert "files: tests/test_greedy_batches.py)" in (out["first"] / "test_greedy_batches.txt").read_text()
     paged = (out["second"] / "paged_attention.txt").read_text()  # dense, gather, engine and flex ran and agreed
     assert re.search(r"^tiny\s+2\s+200\s+1\s+\d+\s+\d+\.\d+(\s+\d+\.\d+\s+\d+\.\d+x){3}\s+\d+\.\d+(\s+\d+\.\d){2}$",
                      paged, re.M), paged

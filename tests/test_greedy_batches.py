@@ -49,8 +49,50 @@ def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
     return [r.token_ids == want for r, want in zip(out, ref)]
 
 
-@pytest.mark.parametrize("method, bs", [("none", 1), ("none", 4), ("none", 8), ("none", 16), ("none", 32),
-                                        ("draft_model", 1), ("draft_model", 8), ("draft_model", 32)])
+def ending(mixed_rows) -> tuple[tuple[int, ...], list[int], list[list[int]]]:
+    """Rows that end at different rounds, as chat rows end at their EOS: end-of-sequence ids every row stops at (as
+    a model may have several: for 8 of the rows, a token it emits after its 4th), each row its own max_new_tokens
+    (6-48), and transformers' tokens up to each row's end (after its first EOS, kept, or at its max_new_tokens)."""
+    _, prompts, ref, _, _ = mixed_rows
+    g = torch.Generator().manual_seed(5)
+    eos = tuple({r[int(torch.randint(4, NEW, (1,), generator=g))] for r in ref[::4]})
+    most = torch.randint(6, NEW + 1, (len(prompts),), generator=g).tolist()
+    want = [r[: min(next((j + 1 for j, t in enumerate(r) if t in eos), m), m)] for r, m in zip(ref, most)]
+    assert len({len(w) for w in want}) > 8 and sum(w[-1] in eos for w in want) >= 4  # ends spread, some by EOS
+    return eos, most, want
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model"])
+def test_greedy_rows_ending_at_different_rounds_at_batch_8(mixed_rows, method):
+    """Rows that end at different rounds (`ending`), 32 through a batch of 8, so rows leave and others join while
+    steps of fewer rows run in the row buckets (the checks below end every plain row at the same round):
+    transformers' tokens up to each row's end, row for row."""
+    model, prompts, _, _, _ = mixed_rows
+    eos, most, want = ending(mixed_rows)
+    spec = SpecConfig(method="none") if method == "none" else \
+        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
+    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
+    eng = SpecEngine(pair(model, draft, stop=eos), SamplingParams(max_new_tokens=128), spec, batch_size=8,
+                     step_graphs=True)
+    same = equal_rows(eng, prompts, want, most=most)
+    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' ending at different rounds ({eng.step_path})"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
+    """Eight rows behind one 40-token prefix (the chat scenario's shape: a template every prompt begins with) at
+    batch 8, the prefix cache on and off: transformers' tokens, row for row."""
+    model, _, _, shared, ref = mixed_rows
+    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
+                     step_graphs=True, prefix_caching=prefix_caching)
+    cached = []
+    same = equal_rows(eng, shared, ref, cached)
+    assert all(same), f"{sum(same)}/8 rows equal transformers' behind a shared prefix ({eng.step_path})"
+    assert sorted(cached) == ([0] + [32] * 7 if prefix_caching else [0] * 8)  # 16-token blocks: one row computed
+
+
+@pytest.mark.parametrize("method, bs", [("none", 8), ("draft_model", 8), ("none", 1), ("none", 4), ("none", 16),
+                                        ("none", 32), ("draft_model", 1), ("draft_model", 32)])
 def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mixed_rows, bs, method):
     """Rows of mixed prompt lengths, 48 new tokens each under a budget of 128, autoregressive at batch 1-32 and
     with a draft model (fixed k=3): transformers' tokens, row for row."""
@@ -75,48 +117,6 @@ def test_greedy_rows_with_additive_masks_on_any_device(mixed_rows, monkeypatch):
                      step_graphs=True)
     same = equal_rows(eng, prompts, ref)
     assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' with additive masks ({eng.step_path})"
-
-
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
-    """Eight rows behind one 40-token prefix (the chat scenario's shape: a template every prompt begins with) at
-    batch 8, the prefix cache on and off: transformers' tokens, row for row."""
-    model, _, _, shared, ref = mixed_rows
-    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
-                     step_graphs=True, prefix_caching=prefix_caching)
-    cached = []
-    same = equal_rows(eng, shared, ref, cached)
-    assert all(same), f"{sum(same)}/8 rows equal transformers' behind a shared prefix ({eng.step_path})"
-    assert sorted(cached) == ([0] + [32] * 7 if prefix_caching else [0] * 8)  # 16-token blocks: one row computed
-
-
-def ending(mixed_rows) -> tuple[tuple[int, ...], list[int], list[list[int]]]:
-    """Rows that end at different rounds, as chat rows end at their EOS: end-of-sequence ids every row stops at (as
-    a model may have several: for 8 of the rows, a token it emits after its 4th), each row its own max_new_tokens
-    (6-48), and transformers' tokens up to each row's end (after its first EOS, kept, or at its max_new_tokens)."""
-    _, prompts, ref, _, _ = mixed_rows
-    g = torch.Generator().manual_seed(5)
-    eos = tuple({r[int(torch.randint(4, NEW, (1,), generator=g))] for r in ref[::4]})
-    most = torch.randint(6, NEW + 1, (len(prompts),), generator=g).tolist()
-    want = [r[: min(next((j + 1 for j, t in enumerate(r) if t in eos), m), m)] for r, m in zip(ref, most)]
-    assert len({len(w) for w in want}) > 8 and sum(w[-1] in eos for w in want) >= 4  # ends spread, some by EOS
-    return eos, most, want
-
-
-@pytest.mark.parametrize("method", ["none", "draft_model"])
-def test_greedy_rows_ending_at_different_rounds_at_batch_8(mixed_rows, method):
-    """Rows that end at different rounds (`ending`), 32 through a batch of 8, so rows leave and others join while
-    steps of fewer rows run in the row buckets (the checks above end every plain row at the same round):
-    transformers' tokens up to each row's end, row for row."""
-    model, prompts, _, _, _ = mixed_rows
-    eos, most, want = ending(mixed_rows)
-    spec = SpecConfig(method="none") if method == "none" else \
-        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
-    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
-    eng = SpecEngine(pair(model, draft, stop=eos), SamplingParams(max_new_tokens=128), spec, batch_size=8,
-                     step_graphs=True)
-    same = equal_rows(eng, prompts, want, most=most)
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' ending at different rounds ({eng.step_path})"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")

@@ -115,3 +115,79 @@ def test_steps_left_out_run_padded_to_captured_ones_until_met_often(method, draf
     assert tokens[0] == tokens[1] == tokens[2]
     captured = [len(after) for _, after in runs.values()]
     assert captured[0] > captured[1] > captured[2] > 0, captured
+
+
+def external_reads(fn, *args) -> tuple[list[tuple], object]:
+    """fn(*args) under a dispatch mode: what it returns, and each tensor its ops read that none of them made
+    (op, storage address, offset, shape), in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    made, reads = set(), []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            read = set()
+            for t in tree_flatten((args, kwargs or {}))[0]:
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in made:
+                    read.add(t.untyped_storage().data_ptr())
+                    reads.append((func.__name__, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)))
+            out = func(*args, **(kwargs or {}))
+            made.update(t.untyped_storage().data_ptr() for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read)
+            return out
+
+    with Reads():
+        out = fn(*args)
+    return reads, out
+
+
+@pytest.mark.parametrize("method,kv_cache", [("none", "dense"), ("draft_model", "dense"), ("draft_model", "paged"),
+                                             ("prompt_lookup", "dense")])
+def test_a_captured_step_reads_the_same_tensors_at_every_replay(method, kv_cache, monkeypatch):
+    """A CUDA graph replays the reads and writes of its capture, at the addresses it had then, and returns the same
+    output tensors each time. Here, where steps run eagerly on their static buffers, each step of a job (rows
+    leaving and joining, overlapped rounds) records the tensors it reads besides those it makes, which must be its
+    key's first run's; its outputs are copied into tensors of its key's own, as a graph's are overwritten by its
+    next replay: the tokens stay those of eager steps. A step made to read a rebuilt RoPE table is caught."""
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    from specdec.exec.graphs import StepGraphs
+
+    first: dict[tuple, tuple[list, object]] = {}
+    ran = []
+
+    def run(self, key, fn, rows, *inputs):
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(fn, rows, inputs)
+        static = entry[1]
+        for buf, x in zip(static, inputs):
+            buf[: x.shape[0]].copy_(x)
+        reads, out = external_reads(fn, *static)
+        seen, kept = first.setdefault((id(self), key), (reads, tree_map(torch.empty_like, out)))
+        assert reads == seen, f"step {key} read {len(reads)} tensors, other than the {len(seen)} of its first run"
+        for buf, x in zip(tree_flatten(kept)[0], tree_flatten(out)[0]):
+            buf.copy_(x)
+        ran.append(key)
+        return kept
+
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(3, 50, (9,), generator=g)]
+    params = [SamplingParams(max_new_tokens=int(m)) for m in torch.randint(6, 30, (9,), generator=g)]
+    target = tiny_llama(seed=4)
+    draft = noisy_copy(target, 0.05) if method == "draft_model" else None
+    spec = SpecConfig(method=method, draft_length="fixed", num_draft_tokens=2)
+    outs = []
+    for graphs in (False, True):
+        eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=32), spec, batch_size=4,
+                         step_graphs=graphs, kv_cache=kv_cache)
+        if graphs:
+            monkeypatch.setattr(StepGraphs, "run", run)
+        outs.append([(r.token_ids, r.rounds) for r in eng.generate(prompts, params=params)])
+    assert outs[0] == outs[1]
+    assert len(ran) > 2 * len(first) > 0  # keys replayed, and compared
+    lean = eng.runner("target").lean
+    lean.cos = lean.cos.clone()  # as code that rebuilt a tensor every step reads would
+    with pytest.raises(AssertionError, match="other than"):
+        eng.generate(prompts[:2], params=params[:2])

@@ -30,7 +30,7 @@ DEFAULT_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "m
 
 
 def add_model_args(ap: argparse.ArgumentParser):
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="the draft's folder, or none (the target alone)")
     ap.add_argument("--target", default=TARGET.path, help="target folder or pypi:NAME==VERSION")
     ap.add_argument("--target-gguf", default=TARGET.gguf_file)
     ap.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16 (specdec.exec.models.resolve_dtype)")
@@ -39,7 +39,8 @@ def add_model_args(ap: argparse.ArgumentParser):
 
 def load_bench_pair(args):
     return load_pair(localize(ModelSource(path=args.target, gguf_file=args.target_gguf or None, dtype=args.dtype)),
-                     ModelSource(path=args.draft, dtype=args.dtype), device=args.device)
+                     None if args.draft == "none" else ModelSource(path=args.draft, dtype=args.dtype),
+                     device=args.device)
 
 
 def sync(device):

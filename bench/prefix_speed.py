@@ -2,6 +2,7 @@
 
     python bench/prefix_speed.py [--rows 48] [--batches 16] [--max-new 32] [--repeats 2]
         [--methods none,draft_model,aasd] [--prompts synthesis|chat] [--budget-gib G] [--kv-cache dense,paged]
+        [--capture-budget S] [--draft none]
 
 Every row is the chat template over a ~1,000-token system prompt (a data-synthesis brief with worked examples,
 written for this benchmark) and a one-line user input; `--prompts chat`: held-out chat prompts instead
@@ -147,6 +148,8 @@ def main():
                     "alignment_sampling 2 (its prefills keep the target's top ids with the stored blocks)")
     ap.add_argument("--budget-gib", type=float, default=None, help="size batches by a memory plan of this budget")
     ap.add_argument("--kv-cache", default="dense", help="cache layouts, comma-separated (dense, paged)")
+    ap.add_argument("--capture-budget", type=float, default=None,
+                    help="seconds each engine captures steps before its first rows join (default: the engine's)")
     add_model_args(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -166,7 +169,8 @@ def main():
     for method, batch in [(m, int(b)) for m in args.methods.split(",") for b in args.batches.split(",")]:
         spec = SpecConfig(**ALIASES.get(method, {"method": method}))
         engines = {v: SpecEngine(pair, SamplingParams(max_new_tokens=args.max_new), spec, batch_size=batch,
-                                 prefix_caching=not v.endswith("off"), kv_cache=v.split()[0]) for v in variants}
+                                 prefix_caching=not v.endswith("off"), kv_cache=v.split()[0],
+                                 capture_budget=args.capture_budget) for v in variants}
         for v, eng in engines.items():
             if args.budget_gib:  # a device whose free memory the engine's caches and kept prefixes take from
                 total, budget = 80 * memory.GiB, int(args.budget_gib * memory.GiB)

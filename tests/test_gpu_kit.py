@@ -90,10 +90,10 @@ def test_the_calls_fit_the_lease():
     limits = {s: int(t) for _, s, t in calls}
     assert all(stage[s] <= limits[s] for s in limits), (stage, limits)
     assert 30 + sum(limits.values()) + 2 * 10 <= 600, limits
-    # the optional fourth (no model part): within its limit, and the four within 14 of the lease's 15 minutes
+    # the optional fourth (no model part of its own): within its limit, the four within 14 of the lease's 15 minutes
     (fourth,) = re.findall(r'run\(carry=\["\.carry/whl"\], command="bash bench/gpu/run\.sh fourth", timeout_s=(\d+)\)',
                            readme)
-    shape = setup + int(re.search(r"\$\{KIT_SHAPE_S:-(\d+)\}", run_sh).group(1))
+    shape = setup + default["KIT_PREFIX_S"] + int(re.search(r"\$\{KIT_SHAPE_S:-(\d+)\}", run_sh).group(1))
     assert shape <= int(fourth) and 30 + sum(limits.values()) + int(fourth) + 3 * 10 <= 14 * 60, (shape, fourth)
 
 
@@ -148,6 +148,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     rows = re.findall(r"^(autoregressive|fixed k=\d+)\s+1\s+(\d+)\s.*\s(\d+)/(\d+)\s+\d+$", table, re.M)
     assert [r[0] for r in rows] == ["autoregressive", "fixed k=2"], table
     assert all(same == n == rows_ for _, rows_, same, n in rows), table  # lossless: the AR tokens, row for row
+    prefix = (out["fourth"] / "prefix_speed.txt").read_text()  # the real target, prefix caching off and on
+    assert re.search(r"^none\s+2\s+dense on\s+2\s+\d+\.\d.*\s\d+\s+\d+\s+2/2$", prefix, re.M), prefix
     shape = json.loads((out["fourth"] / "shape_pair.json").read_text())  # both batch sizes, lossless
     assert set(shape) == {"1", "2"} and all(r["equal_to_ar"] and r["best_fixed_k"] == 2 for r in shape.values()), shape
     equal = (out["second"] / "greedy_equality.txt").read_text()  # the real target's rows, transformers' tokens

@@ -32,7 +32,8 @@ export KIT_DEVICE=cpu KIT_TMP=$WORK/machine KIT_VIEW=$WORK/tree/bench/gpu/view K
   KIT_POLICY_ARGS=${KIT_POLICY_ARGS:-"--batches 1 --policies fixed --ks 2 --prompts 1 --max-new 4 --repeats 1"} \
   KIT_PROFILE_S=${KIT_PROFILE_S:-300} KIT_PROFILE_ARGS=${KIT_PROFILE_ARGS:-"--batch 1 --max-new 4 --top 5"} \
   KIT_PAGED_S=${KIT_PAGED_S:-300} KIT_PAGED_ARGS=${KIT_PAGED_ARGS:-"--shapes tiny --batches 2 --kv 200 --queries 1 --repeats 3"} \
-  KIT_SHAPE_S=${KIT_SHAPE_S:-300} KIT_SHAPE_ARGS=${KIT_SHAPE_ARGS:-"--shapes tiny --batches 1,2 --ks 2 --max-new 8 --prompt-len 8"}
+  KIT_SHAPE_S=${KIT_SHAPE_S:-300} KIT_SHAPE_ARGS=${KIT_SHAPE_ARGS:-"--shapes tiny --batches 1,2 --ks 2 --max-new 8 --prompt-len 8"} \
+  KIT_PREFIX_S=${KIT_PREFIX_S:-300} KIT_PREFIX_ARGS=${KIT_PREFIX_ARGS:-"--methods none --batches 2 --rows 2 --max-new 4 --repeats 1"}
 rm -rf "$KIT_TMP"
 rc=0
 for i in 0 1 2 3; do

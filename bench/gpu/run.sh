@@ -10,17 +10,19 @@
 #           dense rows, the Llama-8B shape (bench/paged_attention.py)
 #   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
 #           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
-#   fourth  (when the lease has the time) the real-shape pair: Llama-8B and Llama-1B shapes, random weights,
-#           acceptance alpha = 0.8 by construction (bench/shape_pair.py): autoregressive, defaults, fixed K
+#   fourth  (when the lease has the time) where the machine stayed warm, prefix caching off and on with the real
+#           target on a synthesis-shaped job (bench/prefix_speed.py); then the real-shape pair: Llama-8B and
+#           Llama-1B shapes, random weights, acceptance alpha = 0.8 by construction (bench/shape_pair.py):
+#           autoregressive, defaults, fixed K
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
 # its model part (.carry/pN) for the calls after it. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, budgets in seconds KIT_STEP_S, KIT_TEST_S,
-# KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, and KIT_VIEW (a folder put first on
-# PYTHONPATH).
+# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
+# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, KIT_PREFIX_S, and KIT_VIEW (a
+# folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
@@ -134,6 +136,14 @@ stage() {
         --draft "$MODELS/smollm2-draft-4l" ${KIT_PROFILE_ARGS:---batch 32} --out "$OUT/round_profile.txt" ;;
     fourth)
       wheels
+      if [ -f "$PARTS/part-1" ]; then  # the machine stayed warm: the real target, prefix caching off and on
+        join_target
+        STEP_OUT=$OUT/prefix_speed.txt step prefix_speed "${KIT_PREFIX_S:-60}" python3 bench/prefix_speed.py \
+          --device "$DEVICE" --draft none ${KIT_PREFIX_ARGS:---methods none --batches 32 --rows 64 --max-new 32 \
+          --repeats 1 --dtype float32 --capture-budget 3}
+      else
+        echo "# prefix_speed: no model parts here (the machine went cold): skipped"
+      fi
       STEP_OUT=$OUT/shape_pair.txt step shape_pair "${KIT_SHAPE_S:-150}" python3 bench/shape_pair.py \
         --device "$DEVICE" --json "$OUT/shape_pair.json" --deadline $((${KIT_SHAPE_S:-150} * 2 / 3)) \
         ${KIT_SHAPE_ARGS:---shapes llama8b,llama1b --alpha 0.8 --batches 1,8,32,64 --ks 2,4 --no-split} ;;

@@ -40,13 +40,29 @@ def mixed_rows():
 
 
 def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
-               most: list[int] | None = None) -> list[bool]:
-    """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache);
-    `most`: each row's max_new_tokens (else 48)."""
+               most: list[int] | None = None) -> tuple[list[bool], str]:
+    """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache), and
+    where the first other row parts (`parting`); `most`: each row's max_new_tokens (else 48)."""
     out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=m) for m in most or [NEW] * len(prompts)])
     if cached is not None:
         cached.extend(r.cached_prompt_tokens for r in out)
-    return [r.token_ids == want for r, want in zip(out, ref)]
+    same = [r.token_ids == want for r, want in zip(out, ref)]
+    first = next((i for i, s in enumerate(same) if not s), None)
+    note = "" if first is None else parting(eng.pair.target, prompts[first], ref[first], out[first].token_ids)
+    return same, f"{sum(same)}/{len(same)} rows equal transformers'{note} ({eng.step_path})"
+
+
+def parting(model, prompt: list[int], want: list[int], got: list[int]) -> str:
+    """Where a row parts with transformers': its top-2 logit gap there and how far above ours its token was (a near
+    tie parts rows by rounding; a clear margin, by a fault)."""
+    at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    if at == min(len(want), len(got)):
+        return f"; the first other row ends at {len(got)} tokens where transformers' has {len(want)}"
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:at]], device=DEVICE)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return (f"; the first other row parts at token {at}: transformers' top-2 gap {(top[0] - top[1]).item():.2e}, "
+            f"its token {(logits[want[at]] - logits[got[at]]).item():.2e} above ours")
 
 
 def ending(mixed_rows) -> tuple[tuple[int, ...], list[int], list[list[int]]]:
@@ -74,8 +90,8 @@ def test_greedy_rows_ending_at_different_rounds_at_batch_8(mixed_rows, method):
     draft = noisy_copy(model, 0.02) if method == "draft_model" else None
     eng = SpecEngine(pair(model, draft, stop=eos), SamplingParams(max_new_tokens=128), spec, batch_size=8,
                      step_graphs=True)
-    same = equal_rows(eng, prompts, want, most=most)
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' ending at different rounds ({eng.step_path})"
+    same, note = equal_rows(eng, prompts, want, most=most)
+    assert all(same), f"ending at different rounds: {note}"
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -86,8 +102,8 @@ def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
     eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
                      step_graphs=True, prefix_caching=prefix_caching)
     cached = []
-    same = equal_rows(eng, shared, ref, cached)
-    assert all(same), f"{sum(same)}/8 rows equal transformers' behind a shared prefix ({eng.step_path})"
+    same, note = equal_rows(eng, shared, ref, cached)
+    assert all(same), f"behind a shared prefix: {note}"
     assert sorted(cached) == ([0] + [32] * 7 if prefix_caching else [0] * 8)  # 16-token blocks: one row computed
 
 
@@ -101,8 +117,8 @@ def test_greedy_rows_equal_transformers_at_every_batch_under_a_larger_budget(mix
         SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
     draft = noisy_copy(model, 0.02) if method == "draft_model" else None
     eng = SpecEngine(pair(model, draft), SamplingParams(max_new_tokens=128), spec, batch_size=bs, step_graphs=True)
-    same = equal_rows(eng, prompts, ref)
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' at batch {bs} ({eng.step_path})"
+    same, note = equal_rows(eng, prompts, ref)
+    assert all(same), f"at batch {bs}: {note}"
 
 
 def test_greedy_rows_with_additive_masks_on_any_device(mixed_rows, monkeypatch):
@@ -115,8 +131,8 @@ def test_greedy_rows_with_additive_masks_on_any_device(mixed_rows, monkeypatch):
     spec = SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
     eng = SpecEngine(pair(model, noisy_copy(model, 0.02)), SamplingParams(max_new_tokens=128), spec, batch_size=8,
                      step_graphs=True)
-    same = equal_rows(eng, prompts, ref)
-    assert all(same), f"{sum(same)}/{len(same)} rows equal transformers' with additive masks ({eng.step_path})"
+    same, note = equal_rows(eng, prompts, ref)
+    assert all(same), f"with additive masks: {note}"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
@@ -131,8 +147,8 @@ def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, 
     if off == "compiled layer":
         monkeypatch.setattr(ModelRunner, "compile_layers", False)
     eos, most, want = ending(mixed_rows)
-    same, ends = (equal_rows(SpecEngine(pair(model, None, stop), SamplingParams(max_new_tokens=128),
-                                        SpecConfig(method="none"), batch_size=8, step_graphs=off != "graphs"),
-                             prompts, *rows) for stop, rows in (((), (ref,)), (eos, (want, None, most))))
-    assert all(same) and all(ends), f"{sum(same)}/{len(same)} rows equal transformers' at batch 8, " \
-        f"{sum(ends)}/{len(ends)} ending at different rounds (`ending`), with the {off} off"
+    (same, note), (ends, ending_note) = (
+        equal_rows(SpecEngine(pair(model, None, stop), SamplingParams(max_new_tokens=128), SpecConfig(method="none"),
+                              batch_size=8, step_graphs=off != "graphs"), prompts, *rows)
+        for stop, rows in (((), (ref,)), (eos, (want, None, most))))
+    assert all(same) and all(ends), f"with the {off} off: {note}; ending at different rounds: {ending_note}"

@@ -34,10 +34,9 @@ def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, init: float = 0.
 def smollm2_shape(seed: int = 0) -> LlamaForCausalLM:
     """Random weights at SmolLM2-135M-Instruct's shape (the demo's target: 30 layers, 576 wide, 9 heads over 3 KV
     heads, a 49k vocabulary, tied embeddings), float32, no stop token. Weights drawn 5x wider than transformers'
-    default (0.02): there a row soon repeats one token for good (the tied output head's self-product wins), so most
-    of its tokens test little (decoding steps that attend one stale slot past their own left 5 of 8 rows equal
-    transformers'; 1 of 8 at 0.1). At 0.1 a row's 48 tokens all differ, each depends on the whole prompt, and
-    top-2 logit gaps stay above 9e-4 (16 rows, 768 tokens, float32)."""
+    default (0.02), where a row soon repeats one token for good (the tied head's self-product wins) and most of its
+    tokens test little; here each token depends on the whole prompt, with clear top-2 gaps
+    (bench/results/random_smollm2_shape_init_2026-11-28.txt)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,

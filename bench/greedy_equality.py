@@ -90,14 +90,22 @@ def main():
              f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's first "
              f"differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap)",
              f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted"]
-    print("\n".join(lines), flush=True)
+
+    def said() -> None:  # printed and written as each line comes: a deadline keeps what came before it
+        print(lines[-1], flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    print(lines[0], flush=True)
+    said()
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
     for name in args.methods.split(","):
         for bs in [int(b) for b in args.batches.split(",")]:
             with torch.inference_mode():
                 same, cells, path = run(pair, prompts, want, name, bs, args)
             lines.append(f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
-            print(lines[-1], flush=True)
+            said()
             if same < n and cuda and not diagnosed:  # which part of the CUDA path parts them (once: the budget)
                 diagnosed = True
                 with torch.inference_mode():
@@ -109,12 +117,9 @@ def main():
                         ModelRunner.compile_layers = None
                 lines.append(f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
                              f"{layer_off}/{n}")
-                print(lines[-1], flush=True)
+                said()
     lines.append(f"# {time.perf_counter() - t0:.0f} s")
-    print(lines[-1])
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    said()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from engine_models import parting  # noqa: E402
 from engine_speed import add_model_args, describe, hf_run, load_bench_pair  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
 
@@ -34,22 +36,14 @@ METHODS = {"none": SpecConfig(method="none"),
            "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)}
 
 
-def parted(got: list[int], want: list[int]) -> int | None:
-    """The first position where two token lists differ (None: equal)."""
-    for i, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            return i
-    return None if len(got) == len(want) else min(len(got), len(want))
-
-
-def margin(pair, prompt: list[int], want: list[int], got: list[int], at: int) -> str:
-    """At the first token where `got` parts with transformers' `want`: transformers' logits after the prompt and
-    the tokens before it (float32), as "at:its token's logit minus ours/its top-2 gap"."""
-    ids = torch.tensor([prompt + want[:at]], device=pair.device)
-    logits = pair.target(ids).logits[0, -1].float()
-    top = logits.topk(2).values
-    ours = f"{(logits[want[at]] - logits[got[at]]).item():.1e}" if at < min(len(want), len(got)) else "end"
-    return f"{at}:{ours}/{(top[0] - top[1]).item():.1e}"
+def margin(pair, prompt: list[int], want: list[int], got: list[int]) -> str | None:
+    """Where `got` parts with transformers' `want` (`engine_models.parting`), as "at:its token's logit minus
+    ours/its top-2 gap" (None: equal)."""
+    where = parting(pair.target, prompt, want, got)
+    if where is None:
+        return None
+    at, ours, gap = where
+    return f"{at}:{'end' if ours is None else f'{ours:.1e}'}/{gap:.1e}"
 
 
 def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
@@ -59,9 +53,9 @@ def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int,
     out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=args.max_new)] * len(prompts))
     cells = []
     for p, w, r in zip(prompts, want, out):
-        at = parted(r.token_ids, w)
-        if at is not None:
-            cells.append(margin(pair, p, w, r.token_ids, at))
+        cell = margin(pair, p, w, r.token_ids)
+        if cell is not None:
+            cells.append(cell)
     return len(prompts) - len(cells), cells, eng.step_path
 
 

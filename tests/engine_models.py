@@ -54,6 +54,23 @@ def noisy_copy(model, scale: float, seed: int = 1):
     return m
 
 
+def parting(model, prompt: list[int], want: list[int], got: list[int]) -> tuple[int, float | None, float] | None:
+    """Where greedy tokens `got` part with transformers' `want` after `prompt` (None: equal): the first differing
+    token and there, from `model`'s float32 logits after the prompt and `want`'s tokens before it, its token's logit
+    minus ours (None where `got` ended first) and its top-2 gap: a near tie parts rows by rounding, a clear margin by
+    a fault."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if at is None:
+        if len(got) == len(want):
+            return None
+        at = min(len(got), len(want))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:at]], device=model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    ours = (logits[want[at]] - logits[got[at]]).item() if at < min(len(want), len(got)) else None
+    return at, ours, (top[0] - top[1]).item()
+
+
 def pair(target, draft=None, stop=()) -> ModelPair:
     return ModelPair(target, draft, None, tuple(stop), target.config.vocab_size)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_models import DEVICE, noisy_copy, pair, smollm2_shape, tiny_llama
+from engine_models import DEVICE, noisy_copy, pair, parting, smollm2_shape, tiny_llama
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 
@@ -40,6 +40,16 @@ def mixed_rows():
     return model, distinct + distinct[::-1], ref + ref[::-1], shared, greedy(model, shared)
 
 
+def engine(model, method: str = "none", bs: int = 8, stop: tuple[int, ...] = (), **settings) -> SpecEngine:
+    """An engine over `model` under a budget of 128 new tokens, autoregressive or (`draft_model`) with a noisy copy
+    drafting fixed k=3, through the static steps a GPU captures unless `settings` say otherwise."""
+    spec = SpecConfig(method="none") if method == "none" else \
+        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
+    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
+    return SpecEngine(pair(model, draft, stop), SamplingParams(max_new_tokens=128), spec, batch_size=bs,
+                      **{"step_graphs": True, **settings})
+
+
 def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
                most: list[int] | None = None) -> tuple[list[bool], str]:
     """Whether each row's tokens equal `ref`'s (and `cached` gets each row's prompt tokens served by the cache), and
@@ -49,21 +59,17 @@ def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
         cached.extend(r.cached_prompt_tokens for r in out)
     same = [r.token_ids == want for r, want in zip(out, ref)]
     first = next((i for i, s in enumerate(same) if not s), None)
-    note = "" if first is None else parting(eng.pair.target, prompts[first], ref[first], out[first].token_ids)
+    note = "" if first is None else note_parting(eng.pair.target, prompts[first], ref[first], out[first].token_ids)
     return same, f"{sum(same)}/{len(same)} rows equal transformers'{note} ({eng.step_path})"
 
 
-def parting(model, prompt: list[int], want: list[int], got: list[int]) -> str:
-    """Where a row parts with transformers': its top-2 logit gap there and how far above ours its token was (a near
-    tie parts rows by rounding; a clear margin, by a fault)."""
-    at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    if at == min(len(want), len(got)):
+def note_parting(model, prompt: list[int], want: list[int], got: list[int]) -> str:
+    """`parting`, said."""
+    at, ours, gap = parting(model, prompt, want, got)
+    if ours is None:
         return f"; the first other row ends at {len(got)} tokens where transformers' has {len(want)}"
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + want[:at]], device=DEVICE)).logits[0, -1].float()
-    top = logits.topk(2).values
-    return (f"; the first other row parts at token {at}: transformers' top-2 gap {(top[0] - top[1]).item():.2e}, "
-            f"its token {(logits[want[at]] - logits[got[at]]).item():.2e} above ours")
+    return f"; the first other row parts at token {at}: transformers' top-2 gap {gap:.2e}, its token {ours:.2e} " \
+        "above ours"
 
 
 def held(same: list[bool], note: str) -> None:
@@ -93,11 +99,7 @@ def test_greedy_rows_ending_at_different_rounds_at_batch_8(mixed_rows, method):
     transformers' tokens up to each row's end, row for row."""
     model, prompts, _, _, _ = mixed_rows
     eos, most, want = ending(mixed_rows)
-    spec = SpecConfig(method="none") if method == "none" else \
-        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
-    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
-    eng = SpecEngine(pair(model, draft, stop=eos), SamplingParams(max_new_tokens=128), spec, batch_size=8,
-                     step_graphs=True)
+    eng = engine(model, method, stop=eos)
     same, note = equal_rows(eng, prompts, want, most=most)
     held(same, f"ending at different rounds, {method}: {note}")
 
@@ -107,8 +109,7 @@ def test_greedy_rows_sharing_a_prefix_at_batch_8(mixed_rows, prefix_caching):
     """Eight rows behind one 40-token prefix (the chat scenario's shape: a template every prompt begins with) at
     batch 8, the prefix cache on and off: transformers' tokens, row for row."""
     model, _, _, shared, ref = mixed_rows
-    eng = SpecEngine(pair(model), SamplingParams(max_new_tokens=128), SpecConfig(method="none"), batch_size=8,
-                     step_graphs=True, prefix_caching=prefix_caching)
+    eng = engine(model, prefix_caching=prefix_caching)
     cached = []
     same, note = equal_rows(eng, shared, ref, cached)
     held(same, f"behind a shared prefix, caching {'on' if prefix_caching else 'off'}: {note}")
@@ -119,11 +120,7 @@ def at_batch(mixed_rows, method: str, bs: int) -> tuple[list[bool], str]:
     """Rows of mixed prompt lengths, 48 new tokens each under a budget of 128, at batch `bs`, autoregressive or with a
     draft model (fixed k=3): whether each equals transformers' tokens."""
     model, prompts, ref, _, _ = mixed_rows
-    spec = SpecConfig(method="none") if method == "none" else \
-        SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
-    draft = noisy_copy(model, 0.02) if method == "draft_model" else None
-    eng = SpecEngine(pair(model, draft), SamplingParams(max_new_tokens=128), spec, batch_size=bs, step_graphs=True)
-    same, note = equal_rows(eng, prompts, ref)
+    same, note = equal_rows(engine(model, method, bs), prompts, ref)
     return same, f"at batch {bs}, {method}: {note}"
 
 
@@ -147,10 +144,9 @@ def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, 
     if off == "compiled layer":
         monkeypatch.setattr(ModelRunner, "compile_layers", False)
     eos, most, want = ending(mixed_rows)
-    (same, note), (ends, ending_note) = (
-        equal_rows(SpecEngine(pair(model, None, stop), SamplingParams(max_new_tokens=128), SpecConfig(method="none"),
-                              batch_size=8, step_graphs=off != "graphs"), prompts, *rows)
-        for stop, rows in (((), (ref,)), (eos, (want, None, most))))
+    graphs = off != "graphs"
+    same, note = equal_rows(engine(model, step_graphs=graphs), prompts, ref)
+    ends, ending_note = equal_rows(engine(model, stop=eos, step_graphs=graphs), prompts, want, most=most)
     assert all(same) and all(ends), f"with the {off} off: {note}; ending at different rounds: {ending_note}"
 
 
@@ -169,8 +165,5 @@ def test_greedy_rows_with_additive_masks_on_any_device(mixed_rows, monkeypatch):
 
     model, prompts, ref, _, _ = mixed_rows
     monkeypatch.setattr(llama, "ADDITIVE_MASKS", {DEVICE})
-    spec = SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)
-    eng = SpecEngine(pair(model, noisy_copy(model, 0.02)), SamplingParams(max_new_tokens=128), spec, batch_size=8,
-                     step_graphs=True)
-    same, note = equal_rows(eng, prompts, ref)
+    same, note = equal_rows(engine(model, "draft_model"), prompts, ref)
     assert all(same), f"with additive masks: {note}"

@@ -4,8 +4,8 @@ asked per row), at each batch size and method. A check for the GPU kit's second 
 not a timing: it prints, per method and batch size, how many rows equal transformers' tokens and, for each other
 row, the first token where it parts with transformers' logit margin there (its token's logit minus ours, and its
 top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for the first case with
-parted rows, how many are equal with the captured steps off and with the compiled layer off (where those are on:
-CUDA).
+parted rows, how many are equal with the captured steps off, with the compiled layer off (where those are on:
+CUDA) and with SDPA's math backend in place of its fused kernels.
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -111,6 +112,10 @@ def main():
                         ModelRunner.compile_layers = None
                 lines.append(f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
                              f"{layer_off}/{n}")
+                said()
+                with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
+                    math = run(pair, prompts, want, name, bs, args)[0]
+                lines.append(f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
                 said()
     lines.append(f"# {time.perf_counter() - t0:.0f} s")
     said()

@@ -5,6 +5,8 @@ kit runs this file first, in its own process; bench/greedy_equality.py runs the 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -131,11 +133,14 @@ def test_greedy_rows_equal_transformers_at_batch_8_under_a_larger_budget(mixed_r
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="splits the CUDA path (a CPU captures no graph, compiles no layer)")
-@pytest.mark.parametrize("off", ["graphs", "compiled layer"])
+@pytest.mark.parametrize("off", ["graphs", "compiled layer", "fused attention"])
 def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, monkeypatch):
     """The checks above at batch 8 (rows ending together, and at different rounds) with one part of the CUDA path
-    off, the CUDA graphs or the compiled decoder layer: where those fail, which of these passes says which part
+    off: the CUDA graphs, the compiled decoder layer, or SDPA's fused kernels (its math backend instead, for the
+    engine's steps; transformers' reference is unchanged): where those fail, which of these passes says which part
     changes tokens. It runs only after one of them failed (the kit's budget goes to the other batch sizes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from specdec.exec.runner import ModelRunner
 
     if not PARTED:
@@ -145,8 +150,9 @@ def test_greedy_rows_at_batch_8_with_part_of_the_cuda_path_off(mixed_rows, off, 
         monkeypatch.setattr(ModelRunner, "compile_layers", False)
     eos, most, want = ending(mixed_rows)
     graphs = off != "graphs"
-    same, note = equal_rows(engine(model, step_graphs=graphs), prompts, ref)
-    ends, ending_note = equal_rows(engine(model, stop=eos, step_graphs=graphs), prompts, want, most=most)
+    with sdpa_kernel(SDPBackend.MATH) if off == "fused attention" else contextlib.nullcontext():
+        same, note = equal_rows(engine(model, step_graphs=graphs), prompts, ref)
+        ends, ending_note = equal_rows(engine(model, stop=eos, step_graphs=graphs), prompts, want, most=most)
     assert all(same) and all(ends), f"with the {off} off: {note}; ending at different rounds: {ending_note}"
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from engine_models import parting  # noqa: E402
 from engine_speed import add_model_args, describe, hf_run, load_bench_pair  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
+from step_speed import log  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
@@ -81,26 +82,18 @@ def main():
     n = len(prompts)
     with torch.inference_mode():
         want = hf_run(pair, prompts, args.max_new)["tokens"]
-    lines = [f"# {describe(pair)}; {n} held-out chat prompts, {args.max_new} new tokens under a budget of "
-             f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's first "
-             f"differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap)",
-             f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted"]
-
-    def said() -> None:  # printed and written as each line comes: a deadline keeps what came before it
-        print(lines[-1], flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-
-    print(lines[0], flush=True)
-    said()
+    if args.out:  # each line is appended as it comes: a deadline keeps what came before it
+        open(args.out, "w").close()
+    log(args.out, f"# {describe(pair)}; {n} held-out chat prompts, {args.max_new} new tokens under a budget of "
+                  f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's "
+                  f"first differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap)")
+    log(args.out, f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted")
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
     for name in args.methods.split(","):
         for bs in [int(b) for b in args.batches.split(",")]:
             with torch.inference_mode():
                 same, cells, path = run(pair, prompts, want, name, bs, args)
-            lines.append(f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
-            said()
+            log(args.out, f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
             if same < n and cuda and not diagnosed:  # which part of the CUDA path parts them (once: the budget)
                 diagnosed = True
                 with torch.inference_mode():
@@ -110,16 +103,12 @@ def main():
                         layer_off = run(pair, prompts, want, name, bs, args)[0]
                     finally:
                         ModelRunner.compile_layers = None
-                lines.append(f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
-                             f"{layer_off}/{n}")
-                said()
+                log(args.out, f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
+                              f"{layer_off}/{n}")
                 with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
                     math = run(pair, prompts, want, name, bs, args)[0]
-                lines.append(f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
-                said()
-    lines.append(f"# {time.perf_counter() - t0:.0f} s")
-    said()
-
+                log(args.out, f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
+    log(args.out, f"# {time.perf_counter() - t0:.0f} s")
 
 if __name__ == "__main__":
     main()

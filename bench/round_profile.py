@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from engine_speed import add_model_args, describe, load_bench_pair, make_engine, sync  # noqa: E402
 from prompts import HELD_OUT, chat_ids  # noqa: E402
+from step_speed import log  # noqa: E402
 
 
 def main():
@@ -35,16 +36,9 @@ def main():
     args = ap.parse_args()
     pair = load_bench_pair(args)
     prompts = chat_ids(pair.tokenizer, (HELD_OUT * 16)[: max(8, math.ceil(2 * args.batch))])
-    lines: list[str] = []
-
-    def say(*new: str) -> None:  # printed and written as each part ends: a deadline keeps what came before it
-        lines.extend(new)
-        print("\n".join(new), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
-
-    say(f"# {describe(pair)}; batch {args.batch}, {len(prompts)} prompts, {args.max_new} new tokens, greedy")
+    if args.out:  # each part is appended as it ends: a deadline keeps what came before it
+        open(args.out, "w").close()
+    log(args.out, f"# {describe(pair)}; batch {args.batch}, {len(prompts)} prompts, {args.max_new} new tokens, greedy")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available() and str(pair.device).startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -61,11 +55,11 @@ def main():
             eng.generate(prompts)
             sync(eng.device)
         table = prof.key_averages()
-        say(f"## {name}: {wall * 1e3 / rounds:.2f} ms per round ({rounds} rounds, "
-            f"{sum(r.generated_tokens for r in out) / wall:.0f} tok/s)",
-            table.table(sort_by="self_cpu_time_total", row_limit=args.top),
-            *([table.table(sort_by="self_device_time_total", row_limit=args.top)] if len(activities) > 1 else []))
-
+        log(args.out, f"## {name}: {wall * 1e3 / rounds:.2f} ms per round ({rounds} rounds, "
+                      f"{sum(r.generated_tokens for r in out) / wall:.0f} tok/s)")
+        log(args.out, table.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if len(activities) > 1:
+            log(args.out, table.table(sort_by="self_device_time_total", row_limit=args.top))
 
 if __name__ == "__main__":
     main()

@@ -163,7 +163,9 @@ def test_a_captured_step_reads_the_same_tensors_at_every_replay(method, kv_cache
     def run(self, key, fn, rows, *inputs):  # StepGraphs' own, its step run as a replay would
         def replay(*static):
             reads, out = external_reads(fn, *static)
-            seen, kept = first.setdefault((id(self), key), (reads, tree_map(torch.empty_like, out)))
+            if (id(self), key) not in first:  # its first run: what later runs read, and where outputs are kept
+                first[id(self), key] = reads, tree_map(torch.empty_like, out)
+            seen, kept = first[id(self), key]
             assert reads == seen, f"step {key} read {len(reads)} tensors, other than the {len(seen)} of its first run"
             for (graphs, other), (_, outputs) in first.items():  # graphs share a pool: a replay may write where
                 if graphs == id(self) and other != key:  # another's outputs lie

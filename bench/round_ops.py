@@ -1,11 +1,13 @@
 """How many tensor ops a round dispatches outside the models' forwards, and where: each is a kernel launch on a GPU
 (a few microseconds of host and device time) that a captured step does not absorb. Counted, not timed: the same
-on any machine. A tiny random pair (2 layers, 64 wide, 2,048-token vocabulary), greedy, 16-29-token prompts, 32
-new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there); the count
-is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in it too:
-per job, not per round).
+on any machine. A tiny random pair (64 wide, 2,048-token vocabulary, `--layers` layers: what grows with a model's
+depth shows there), greedy, 16-29-token prompts (`trees`: a 9-token phrase repeated, so that prompt lookup finds
+it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there);
+the count is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in
+it too: per job, not per round). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K, `trees`:
+prompt lookup's AASD token trees (2 siblings, K=3); each on dense rows and, with `--paged`, a paged cache.
 
-    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--top 12] [--out FILE]
+    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--top 12] [--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Ops(TorchDispatchMode):
         super().__init__()
         self.where: collections.Counter = collections.Counter()
         self.inside = 0
+        self.top = 12  # functions a case lists
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside and not func.is_view:  # views launch nothing
@@ -45,17 +48,48 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter: Ops) -> str:
+    """One case's line: rounds, ops a round, and the functions that dispatch the most."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 30, (bs,), generator=g).tolist()
+    if name == "trees":
+        phrases = [torch.randint(0, 2048, (9,), generator=g).tolist() for _ in range(bs)]
+        prompts = [(p * 4)[:n] for p, n in zip(phrases, lengths)]
+        spec = SpecConfig(method="prompt_lookup", draft_length="fixed", num_draft_tokens=3,
+                          prompt_lookup={"alignment_sampling": 2})
+    else:
+        prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in lengths]
+        k = int(name)
+        spec = SpecConfig(method="none") if k == 0 else \
+            SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=k)
+    uses_draft = spec.method == "draft_model"
+    eng = SpecEngine(pair(target, draft if uses_draft else None), SamplingParams(max_new_tokens=32), spec,
+                     batch_size=bs, step_graphs=True, kv_cache=kv_cache)
+    eng.generate(prompts)  # warm
+    counter.where.clear()
+    with counter:
+        out = eng.generate(prompts)
+    rounds = max(r.rounds for r in out)
+    top = ", ".join(f"{n / rounds:.1f} {where}" for where, n in counter.where.most_common(counter.top))
+    ops = sum(counter.where.values()) / rounds
+    return f"{name:>5s} {kv_cache:>5s} {layers:6d} {bs:5d} {rounds:6d} {ops:11.1f}  {top}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="2,8,16")
     ap.add_argument("--ks", default="0,2", help="fixed draft lengths (0: autoregressive)")
+    ap.add_argument("--trees", action="store_true", help="also prompt lookup's AASD token trees")
+    ap.add_argument("--paged", action="store_true", help="each case also over a paged KV cache")
+    ap.add_argument("--layers", type=int, default=2, help="the pair's decoder layers")
     ap.add_argument("--top", type=int, default=12, help="functions listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    target = tiny_llama(vocab=2048, layers=2, seed=3)
+    target = tiny_llama(vocab=2048, layers=args.layers, seed=3)
     draft = noisy_copy(target, 0.02)
     counter = Ops()
+    counter.top = args.top
     step = ModelRunner._step
 
     def counted_step(self, *a, **kw):
@@ -67,26 +101,18 @@ def main():
 
     ModelRunner._step = counted_step
     lines = ["# ops a round dispatches outside the models' forwards (tiny pair, greedy, 32 new tokens, static steps)",
-             f"{'k':>2s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s}  most, a round: function"]
+             f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s}  "
+             "most, a round: function"]
     print("\n".join(lines), flush=True)
-    for k in [int(x) for x in args.ks.split(",")]:
-        for bs in [int(x) for x in args.batches.split(",")]:
-            g = torch.Generator().manual_seed(0)
-            prompts = [torch.randint(0, 2048, (int(n),), generator=g).tolist()
-                       for n in torch.randint(16, 30, (bs,), generator=g)]
-            spec = SpecConfig(method="none") if k == 0 else \
-                SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=k)
-            eng = SpecEngine(pair(target, draft if k else None), SamplingParams(max_new_tokens=32), spec,
-                             batch_size=bs, step_graphs=True)
-            eng.generate(prompts)  # warm
-            counter.where.clear()
-            with counter:
-                out = eng.generate(prompts)
-            rounds = max(r.rounds for r in out)
-            top = ", ".join(f"{n / rounds:.1f} {name}" for name, n in counter.where.most_common(args.top))
-            lines.append(f"{k:2d} {bs:5d} {rounds:6d} {sum(counter.where.values()) / rounds:11.1f}  {top}")
-            print(lines[-1], flush=True)
-    ModelRunner._step = step
+    names = [str(int(k)) for k in args.ks.split(",")] + (["trees"] if args.trees else [])
+    try:
+        for name in names:
+            for kv_cache in ("dense", "paged") if args.paged else ("dense",):
+                for bs in [int(x) for x in args.batches.split(",")]:
+                    lines.append(case(name, args.layers, bs, kv_cache, target, draft, counter))
+                    print(lines[-1], flush=True)
+    finally:
+        ModelRunner._step = step
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

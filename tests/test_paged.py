@@ -10,7 +10,7 @@ import torch
 
 from engine_models import MAX_NEW, engine, flat_profile, pair, tiny_llama
 from specdec.exec import memory
-from specdec.exec.cache import BLOCK, PagedKVCache
+from specdec.exec.cache import BLOCK, PagedKVCache, RaggedKVCache
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.exec.prefix import PrefixStore
@@ -47,6 +47,50 @@ def test_rows_reserve_blocks_release_them_and_move_by_their_table():
     torch.testing.assert_close(cache.read_slots(2, 0, 33)[1], -k)
     cache.release(2)
     assert cache.free_slots() == 6 * BLOCK and not cache.table.any()
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_moves_and_copies_of_slots_carry_every_layer_and_touch_nothing_else(layout):
+    """Every layer's keys and values lie in one tensor: a row's move, a sample's copy, a tree's kept path and the
+    slots the prefix store reads and writes carry each layer's own keys and values (none of another layer's), and
+    leave every other slot as it was."""
+    model = tiny_llama(layers=3)
+    cache = RaggedKVCache(model, rows=3, max_len=48) if layout == "dense" else \
+        PagedKVCache(model, rows=3, max_len=48, blocks=1 + 9)
+    for row in range(3):
+        cache.reserve(row, 48)
+    assert all(kc.data_ptr() == cache.keys[i].data_ptr() for i, kc in enumerate(cache.k))
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(3, cache.kv_heads, 48, cache.head_dim, generator=g) for _ in range(3)]  # [layers, ...]
+    for row, k in enumerate(rows):
+        cache.write_slots(row, 0, k, -k)
+
+    def held(row):
+        k, v = cache.read_slots(row, 0, 48)
+        torch.testing.assert_close(v, -k)
+        return k.clone()
+
+    assert all(torch.equal(held(row), rows[row]) for row in range(3))
+    cache.move_row(2, 0, 20)  # row 0 takes row 2's first 20 slots, in every layer
+    want = rows[0].clone()
+    want[:, :, :20] = rows[2][:, :, :20]
+    assert torch.equal(held(0), want) if layout == "dense" else torch.equal(held(0)[:, :, :20], want[:, :, :20])
+    if layout == "paged":  # a table row moved: row 0 is row 2 now; give row 2 blocks again
+        cache.reserve(2, 48)
+        cache.write_slots(2, 0, rows[2], -rows[2])
+        want = rows[2].clone()
+    cache.copy_row(1, 2, 37)  # a sample of row 1's first 37 slots
+    copied = rows[2].clone()
+    copied[:, :, :37] = rows[1][:, :, :37]
+    assert torch.equal(held(2)[:, :, :37], copied[:, :, :37]) and torch.equal(held(1), rows[1])
+    before = [held(row) for row in range(3)]
+    src = torch.tensor([[39, 41], [38, 40], [42, 37]])  # past the whole blocks rows 1 and 2 share (paged)
+    dst = torch.tensor([[44, 45], [46, 47], [43, 44]])
+    cache.move_slots(src, dst)  # each row's slots src[i] land at dst[i], in every layer
+    for row in range(3):
+        after, expect = held(row), before[row].clone()
+        expect[:, :, dst[row]] = before[row][:, :, src[row]]
+        assert torch.equal(after, expect)
 
 
 def test_the_prefix_store_pins_pool_blocks_that_joining_rows_share_and_others_reclaim():

@@ -8,8 +8,11 @@ masked out and overwritten next round, nothing is recomputed. Rows leave by swap
 rows stay `[0, n)`. The buffers never move, which is what CUDA-graph capture needs (an engine keeps its caches
 across `generate()` calls, specdec/exec/runner.py).
 
-- `RaggedKVCache` (dense): one `[rows, kv_heads, max_len, head_dim]` pair per layer; every row takes `max_len` slots.
-- `PagedKVCache`: one pool `[blocks * block, kv_heads, head_dim]` pair per layer (`block`: `BLOCK` slots unless
+Every layer's keys (values) lie in one tensor, `keys` (`values`) [layers, ...], whose layer i is `k[i]` (`v[i]`): a
+row's move, a prompt's sample, a tree's kept path and the prefix store's reads and writes copy every layer at once.
+
+- `RaggedKVCache` (dense): `[rows, kv_heads, max_len, head_dim]` per layer; every row takes `max_len` slots.
+- `PagedKVCache`: a pool `[blocks * block, kv_heads, head_dim]` per layer (`block`: `BLOCK` slots unless
   built with another size) and a block table `[rows, max_len / block]` (a static tensor: captured steps read it); a
   row `reserve`s the blocks of every slot it can come to hold when it joins (its prompt, `max_new_tokens` and the
   draft's slack), so no row ever waits for a block mid-round, and `release`s them when it leaves. Table entries a
@@ -105,7 +108,9 @@ class KVCache(WholeRows, Cache):
     """What both layouts share: the rows, the slots a row can have, transformers' Cache API over `view`s, and (from
     `WholeRows`) the row bookkeeping a layout without blocks needs none of."""
 
-    k: list[torch.Tensor]
+    keys: torch.Tensor  # [layers, *layer_shape]
+    values: torch.Tensor
+    k: list[torch.Tensor]  # layer i's keys: a view of keys[i]
     v: list[torch.Tensor]
 
     def __init__(self, model, rows: int, max_len: int):
@@ -117,6 +122,12 @@ class KVCache(WholeRows, Cache):
         self.max_len = max_len
         self._view: KVView | None = None
         self._kv_len = 0
+
+    def _allocate(self, layer_shape: tuple[int, ...]) -> None:
+        """`keys` and `values` of every layer (zeros), and each layer's views of them (`k`, `v`)."""
+        shape = (self.num_layers, *layer_shape)
+        self.keys, self.values = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
 
     def view(self, start: int, end: int, slots: torch.Tensor, kv_len: int, attend: bool = False) -> KVView:
         """Rows [start, end) write token t of row i at slot slots[i, t] and attend over slots [0, kv_len); `attend`:
@@ -150,7 +161,7 @@ class KVCache(WholeRows, Cache):
         return True
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
+        return 2 * self.keys.numel() * self.keys.element_size()
 
 
 class _DenseView(KVView):
@@ -173,37 +184,35 @@ class RaggedKVCache(KVCache):
 
     def __init__(self, model, rows: int, max_len: int):
         super().__init__(model, rows, max_len)
-        shape = (rows, self.kv_heads, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._allocate((rows, self.kv_heads, max_len, self.head_dim))
 
     def view(self, start, end, slots, kv_len, attend: bool = False):
         return _DenseView(self, start, end, slots, kv_len)
 
     def read_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [lo, hi) of row `row` in every layer: keys, values [layers, kv_heads, hi - lo, head_dim]."""
-        return (torch.stack([kc[row, :, lo:hi] for kc in self.k]), torch.stack([vc[row, :, lo:hi] for vc in self.v]))
+        """Slots [lo, hi) of row `row` in every layer: keys, values [layers, kv_heads, hi - lo, head_dim] (views of
+        the cache: read them before those slots are written again)."""
+        return self.keys[:, row, :, lo:hi], self.values[:, row, :, lo:hi]
 
     def write_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Slots [lo, lo + k.shape[2]) of row `row` take keys, values [layers, kv_heads, n, head_dim]."""
         hi = lo + k.shape[2]
-        for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
-            kc[row, :, lo:hi] = k[layer]
-            vc[row, :, lo:hi] = v[layer]
+        self.keys[:, row, :, lo:hi] = k
+        self.values[:, row, :, lo:hi] = v
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row src's first `length` slots into row dst (swap-remove compaction)."""
         if src != dst and length > 0:
-            for buf in (*self.k, *self.v):
-                buf[dst, :, :length] = buf[src, :, :length]
+            for buf in (self.keys, self.values):
+                buf[:, dst, :, :length] = buf[:, src, :, :length]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For rows [0, n): slot dst[i, j] takes what slot src[i, j] holds ([n, j] index tensors; every source is
         read before any destination is written). Keeps a token tree's accepted path (specdec/spec/trees.py)."""
         n, j = src.shape
         rows = torch.arange(n, device=src.device)[:, None]
-        for buf in (*self.k, *self.v):
-            buf[rows, :, dst] = buf[rows, :, src]  # [n, j, kv_heads, head_dim] gathered, then scattered
+        for buf in (self.keys, self.values):
+            buf[:, rows, :, dst] = buf[:, rows, :, src]  # [n, j, layers, kv_heads, head_dim] gathered, then scattered
 
 
 class _PagedView(KVView):
@@ -293,9 +302,7 @@ class PagedKVCache(KVCache):
         self.block = block
         if blocks < 2:
             raise ValueError("a paged cache needs at least 2 blocks (one is scratch)")
-        shape = (blocks * block, self.kv_heads, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self._allocate((blocks * block, self.kv_heads, self.head_dim))
         self.blocks = blocks
         self.table = torch.zeros((rows, blocks_for(max_len, block)), dtype=torch.int64, device=self.device)
         self.owned: list[list[int]] = [[] for _ in range(rows)]  # host: each row's blocks, in slot order
@@ -324,14 +331,12 @@ class PagedKVCache(KVCache):
 
     def read_slots(self, row: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         at = self._row_slots(row, lo, hi)
-        return (torch.stack([kc[at].transpose(0, 1) for kc in self.k]),
-                torch.stack([vc[at].transpose(0, 1) for vc in self.v]))
+        return self.keys[:, at].transpose(1, 2), self.values[:, at].transpose(1, 2)
 
     def write_slots(self, row: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         at = self._row_slots(row, lo, lo + k.shape[2])
-        for layer, (kc, vc) in enumerate(zip(self.k, self.v)):
-            kc[at] = k[layer].transpose(0, 1)
-            vc[at] = v[layer].transpose(0, 1)
+        self.keys[:, at] = k.transpose(1, 2)
+        self.values[:, at] = v.transpose(1, 2)
 
     # -- blocks of rows ---------------------------------------------------------------------------
     def free_slots(self) -> int:
@@ -435,15 +440,15 @@ class PagedKVCache(KVCache):
         lo = self.shared[dst] * self.block
         if lo < length:
             at_src, at_dst = self._row_slots(src, lo, length), self._row_slots(dst, lo, length)
-            for buf in (*self.k, *self.v):
-                buf[at_dst] = buf[at_src]
+            for buf in (self.keys, self.values):
+                buf[:, at_dst] = buf[:, at_src]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         n = src.shape[0]
         table = self.table[:n]
         at_src, at_dst = self.physical(table, src), self.physical(table, dst)
-        for buf in (*self.k, *self.v):
-            buf[at_dst] = buf[at_src]  # [n, j, kv_heads, head_dim] gathered, then scattered
+        for buf in (self.keys, self.values):
+            buf[:, at_dst] = buf[:, at_src]  # [layers, n, j, kv_heads, head_dim] gathered, then scattered
 
     def nbytes(self) -> int:
         return super().nbytes() + self.table.numel() * self.table.element_size()

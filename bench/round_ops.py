@@ -6,8 +6,12 @@ it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, 
 the count is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in
 it too: per job, not per round). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K, `trees`:
 prompt lookup's AASD token trees (2 siblings, K=3); each on dense rows and, with `--paged`, a paged cache.
+`--job J`: J times as many prompts as the batch has rows, each row its own max_new_tokens (8-32), so that rows
+end at different rounds and queued ones join, their prefill's tail in a round's forward (an eager forward on a
+GPU too: `joins` counts those rounds, `ops a join` what each dispatches).
 
-    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--top 12] [--out FILE]
+    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--job 1] [--top 12]
+                              [--out FILE]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Ops(TorchDispatchMode):
         self.where: collections.Counter = collections.Counter()
         self.inside = 0
         self.top = 12  # functions a case lists
+        self.joins = 0  # forwards that took joining rows (`ModelRunner.step_joined`), and their ops
+        self.join_ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside and not func.is_view:  # views launch nothing
@@ -48,12 +54,13 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter: Ops) -> str:
-    """One case's line: rounds, ops a round, and the functions that dispatch the most."""
+def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter: Ops, job: int = 1) -> str:
+    """One case's line: rounds, ops a round, joining forwards and their ops, and the functions that dispatch the
+    most."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 30, (bs,), generator=g).tolist()
+    lengths = torch.randint(16, 30, (bs * job,), generator=g).tolist()
     if name == "trees":
-        phrases = [torch.randint(0, 2048, (9,), generator=g).tolist() for _ in range(bs)]
+        phrases = [torch.randint(0, 2048, (9,), generator=g).tolist() for _ in lengths]
         prompts = [(p * 4)[:n] for p, n in zip(phrases, lengths)]
         spec = SpecConfig(method="prompt_lookup", draft_length="fixed", num_draft_tokens=3,
                           prompt_lookup={"alignment_sampling": 2})
@@ -65,14 +72,20 @@ def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter:
     uses_draft = spec.method == "draft_model"
     eng = SpecEngine(pair(target, draft if uses_draft else None), SamplingParams(max_new_tokens=32), spec,
                      batch_size=bs, step_graphs=True, kv_cache=kv_cache)
-    eng.generate(prompts)  # warm
+    params = None if job == 1 else [SamplingParams(max_new_tokens=int(m))
+                                     for m in torch.randint(8, 33, (len(prompts),), generator=g)]
+    eng.generate(prompts, params=params)  # warm
     counter.where.clear()
+    counter.joins = counter.join_ops = 0
+    before = eng.context.staging.rounds
     with counter:
-        out = eng.generate(prompts)
-    rounds = max(r.rounds for r in out)
+        eng.generate(prompts, params=params)
+    rounds = eng.context.staging.rounds - before
     top = ", ".join(f"{n / rounds:.1f} {where}" for where, n in counter.where.most_common(counter.top))
     ops = sum(counter.where.values()) / rounds
-    return f"{name:>5s} {kv_cache:>5s} {layers:6d} {bs:5d} {rounds:6d} {ops:11.1f}  {top}"
+    per_join = counter.join_ops / max(1, counter.joins)
+    return (f"{name:>5s} {kv_cache:>5s} {layers:6d} {bs:5d} {rounds:6d} {ops:11.1f} {counter.joins:5d} "
+            f"{per_join:10.0f}  {top}")
 
 
 def main():
@@ -82,6 +95,7 @@ def main():
     ap.add_argument("--trees", action="store_true", help="also prompt lookup's AASD token trees")
     ap.add_argument("--paged", action="store_true", help="each case also over a paged KV cache")
     ap.add_argument("--layers", type=int, default=2, help="the pair's decoder layers")
+    ap.add_argument("--job", type=int, default=1, help="prompts per row of the batch (> 1: rows join as others end)")
     ap.add_argument("--top", type=int, default=12, help="functions listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -99,20 +113,30 @@ def main():
         finally:
             counter.inside -= 1
 
-    ModelRunner._step = counted_step
+    joined = ModelRunner.step_joined
+
+    def counted_join(self, *a, **kw):
+        before = sum(counter.where.values())
+        try:
+            return joined(self, *a, **kw)
+        finally:
+            counter.joins += 1
+            counter.join_ops += sum(counter.where.values()) - before
+
+    ModelRunner._step, ModelRunner.step_joined = counted_step, counted_join
     lines = ["# ops a round dispatches outside the models' forwards (tiny pair, greedy, 32 new tokens, static steps)",
-             f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s}  "
-             "most, a round: function"]
+             f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s} "
+             f"{'joins':>5s} {'ops a join':>10s}  most, a round: function"]
     print("\n".join(lines), flush=True)
     names = [str(int(k)) for k in args.ks.split(",")] + (["trees"] if args.trees else [])
     try:
         for name in names:
             for kv_cache in ("dense", "paged") if args.paged else ("dense",):
                 for bs in [int(x) for x in args.batches.split(",")]:
-                    lines.append(case(name, args.layers, bs, kv_cache, target, draft, counter))
+                    lines.append(case(name, args.layers, bs, kv_cache, target, draft, counter, args.job))
                     print(lines[-1], flush=True)
     finally:
-        ModelRunner._step = step
+        ModelRunner._step, ModelRunner.step_joined = step, joined
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

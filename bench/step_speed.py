@@ -14,6 +14,10 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
   be read back and handled on the host);
 - fast-uncompiled: the same without compiling the layer (on a GPU: what compilation adds);
 - fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
+- fast-joins: fast over a job as jobs run: four prompts per row of the batch (the batch's own, rotated), each row
+  its own max_new_tokens (a quarter of `--max-new` to all of it), so that rows end at different rounds and queued
+  ones join, their prefill's tail in a round's forward (eager, not a captured step); tok/s against `fast` says
+  what joining rows cost;
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
   a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
@@ -135,18 +139,25 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
     `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
     paged = re.fullmatch(r"fast-paged(-flex)?(\d*)", path)
+    params = None
+    if path == "fast-joins":  # rows that end at different rounds, and queued ones that join
+        g = torch.Generator().manual_seed(2)
+        prompts = [p[j:] + p[:j] for j in (0, 1, 2, 3) for p in prompts]
+        params = [SamplingParams(max_new_tokens=int(m))
+                  for m in torch.randint(max(1, max_new // 4), max_new + 1, (len(prompts),), generator=g)]
     eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
                      SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic",
                      overlap=path != "fast-serial", kv_cache="paged" if paged else "dense",
                      paged_attention="flex" if paged and paged[1] else "gather",
                      kv_block=int(paged[2]) if paged and paged[2] else 16)
-    first = timed(lambda: eng.generate(prompts))
+    first = timed(lambda: eng.generate(prompts, params=params))
     eng.context.staging.device_s = 0.0
-    wall = timed(lambda: eng.generate(prompts))
+    wall = timed(lambda: eng.generate(prompts, params=params))
     ModelRunner.compile_layers = None
     busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
     table = kernel_table(eng, prompts, kernels) if kernels else []
-    return batch * max_new / wall, first, eng.step_path, busy, table
+    tokens = batch * max_new if params is None else sum(p.max_new_tokens for p in params)
+    return tokens / wall, first, eng.step_path, busy, table
 
 
 def kernel_table(eng: SpecEngine, prompts, top: int) -> list[str]:
@@ -255,7 +266,8 @@ def main():
             for line in table:
                 log(args.out, line)
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
-            refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "generic", "hf eager", "hf compiled")
+            refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "fast-joins", "generic", "hf eager",
+                                                   "hf compiled")
                     if (r, batch) in got and r != name]
             if refs and not name.startswith("hf"):
                 log(args.out, f"# {shape} {name} batch {batch}: " +

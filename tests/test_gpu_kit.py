@@ -1,5 +1,6 @@
 """The GPU lease kit (bench/gpu/): what its stages import is on the device image or carried, the check that
-says so refuses what the image lacks, the calls fit the lease, and its calls (three, and an optional fourth) rehearse here on CPU."""
+says so refuses what the image lacks, the calls fit the lease, and its calls (three, and the optional fourth and
+joins) rehearse here on CPU."""
 
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ def test_the_calls_fit_the_lease():
                            readme)
     shape = setup + default["KIT_PREFIX_S"] + int(re.search(r"\$\{KIT_SHAPE_S:-(\d+)\}", run_sh).group(1))
     assert shape <= int(fourth) and 30 + sum(limits.values()) + int(fourth) + 3 * 10 <= 14 * 60, (shape, fourth)
+    # the optional joins call (no model part), within its limit
+    (joins,) = re.findall(r'run\(carry=\["\.carry/whl"\], command="bash bench/gpu/run\.sh joins", timeout_s=(\d+)\)',
+                          readme)
+    assert setup + int(re.search(r"\$\{KIT_JOINS_S:-(\d+)\}", run_sh).group(1)) <= int(joins), joins
 
 
 def wheel_requirements(path: str) -> set[str]:
@@ -122,8 +127,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     for w in whl:
         assert wheel_requirements(w) <= set(listed("image.txt")) | set(listed("wheels.txt")), w
     payloads = [int(b) for b in re.findall(r"^# call \w+: carries (\d+) bytes", log, re.M)]
-    assert len(payloads) == 4 and all(p <= MIB64 for p in payloads), payloads
-    out = {s: work / f"out-{s}" for s in ("first", "second", "third", "fourth")}
+    assert len(payloads) == 5 and all(p <= MIB64 for p in payloads), payloads
+    out = {s: work / f"out-{s}" for s in ("first", "second", "third", "fourth", "joins")}
     for stage, folder in out.items():
         text = (folder / f"{stage}.log").read_text()
         assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
@@ -135,6 +140,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         for path in paths:
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
         assert re.search(r"^# ops per step \d+, \d+\.\d+ ms per step", speed, re.M), speed  # the profiled step
+    joins = (out["joins"] / "step_speed.txt").read_text()  # rows that join a running batch, and rows that do not
+    assert all(re.search(rf"^tiny\s+{path}\s+2\s+\d+\.\d", joins, re.M) for path in ("fast", "fast-joins")), joins
     for name in ("test_greedy_batches", "test_overlap", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]

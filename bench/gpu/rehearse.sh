@@ -6,7 +6,7 @@
 # (view/sitecustomize.py: only image.txt's and wheels.txt's packages import). CPU, tiny shapes, short budgets
 # (run.sh's knobs); the real pair's parts are prepare.sh's (run first unless $KIT_CARRY holds them). Each
 # call's payload (tree, cp312 wheels, its part) must fit the device's 64 MiB.
-#   bash bench/gpu/rehearse.sh [WORKDIR]     outputs in WORKDIR/out-{first,second,third,fourth}
+#   bash bench/gpu/rehearse.sh [WORKDIR]     outputs in WORKDIR/out-{first,second,third,fourth,joins}
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY=$(realpath -m "${KIT_CARRY:-.carry}")
@@ -33,14 +33,15 @@ export KIT_DEVICE=cpu KIT_TMP=$WORK/machine KIT_VIEW=$WORK/tree/bench/gpu/view K
   KIT_PROFILE_S=${KIT_PROFILE_S:-300} KIT_PROFILE_ARGS=${KIT_PROFILE_ARGS:-"--batch 1 --max-new 4 --top 5"} \
   KIT_PAGED_S=${KIT_PAGED_S:-300} KIT_PAGED_ARGS=${KIT_PAGED_ARGS:-"--shapes tiny --batches 2 --kv 200 --queries 1 --repeats 3"} \
   KIT_SHAPE_S=${KIT_SHAPE_S:-300} KIT_SHAPE_ARGS=${KIT_SHAPE_ARGS:-"--shapes tiny --batches 1,2 --ks 2 --max-new 8 --prompt-len 8"} \
+  KIT_JOINS_S=${KIT_JOINS_S:-120} KIT_JOINS_BATCH=${KIT_JOINS_BATCH:-2} \
   KIT_PREFIX_S=${KIT_PREFIX_S:-300} KIT_PREFIX_ARGS=${KIT_PREFIX_ARGS:-"--methods none --batches 2 --rows 2 --max-new 4 --repeats 1"}
 rm -rf "$KIT_TMP"
 rc=0
-for i in 0 1 2 3; do
-  stage=$(echo first second third fourth | cut -d' ' -f$((i + 1)))
+for i in 0 1 2 3 4; do
+  stage=$(echo first second third fourth joins | cut -d' ' -f$((i + 1)))
   tree=$WORK/tree
   rm -rf "$tree" "$WORK/out-$stage" && mkdir -p "$tree/.carry" "$WORK/out-$stage"
-  part=$(ls -d "$CARRY/p$i" 2>/dev/null || true)  # the fourth call carries no model part
+  part=$(ls -d "$CARRY/p$i" 2>/dev/null || true)  # the fourth and joins calls carry no model part
   payload=$(( $(bash bench/gpu/tree_bytes.sh "$tree") + $(du -cb "$CARRY/whl" $part | tail -1 | cut -f1) ))
   echo "# call $stage: carries $payload bytes (the device takes 67108864)"
   [ "$payload" -le $(( 64 * 1024 * 1024 )) ] || { echo "# call $stage: over 64 MiB"; rc=1; }

@@ -14,6 +14,8 @@
 #           target on a synthesis-shaped job (bench/prefix_speed.py); then the real-shape pair: Llama-8B and
 #           Llama-1B shapes, random weights, acceptance alpha = 0.8 by construction (bench/shape_pair.py):
 #           autoregressive, defaults, fixed K
+#   joins   (when the lease has the time) the SmolLM2 shape's step speed over a job as jobs run, rows ending at
+#           different rounds and queued ones joining in a round's forward, against rows that join and end together
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
 # its model part (.carry/pN) for the calls after it. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
@@ -21,7 +23,8 @@
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
 # KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
-# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, KIT_PREFIX_S, and KIT_VIEW (a
+# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, KIT_PREFIX_S, KIT_JOINS_S,
+# KIT_JOINS_BATCH, and KIT_VIEW (a
 # folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -147,11 +150,19 @@ stage() {
       STEP_OUT=$OUT/shape_pair.txt step shape_pair "${KIT_SHAPE_S:-150}" python3 bench/shape_pair.py \
         --device "$DEVICE" --json "$OUT/shape_pair.json" --deadline $((${KIT_SHAPE_S:-150} * 2 / 3)) \
         ${KIT_SHAPE_ARGS:---shapes llama8b,llama1b --alpha 0.8 --batches 1,8,32,64 --ks 2,4 --no-split} ;;
+    joins)
+      wheels
+      step step_speed_joins "${KIT_JOINS_S:-60}" python3 bench/step_speed.py --device "$DEVICE" \
+        --shapes "${KIT_SMALL:-smollm2}" --paths fast,fast-joins --batches "${KIT_JOINS_BATCH:-32}" --hf "" \
+        --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --out "$OUT/step_speed.txt" ;;
   esac
   echo "# stage $STAGE: ${FAILED:-every step exited 0}"
   [ -z "$FAILED" ]
 }
 
-case "$STAGE" in first|second|third|fourth) ;; *) echo "usage: $0 first | second | third | fourth"; exit 2 ;; esac
+case "$STAGE" in
+  first|second|third|fourth|joins) ;;
+  *) echo "usage: $0 first | second | third | fourth | joins"; exit 2 ;;
+esac
 mkdir -p "$OUT" "$TMPD"
 stage 2>&1 | tee "$OUT/$STAGE.log"

@@ -16,8 +16,9 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 - fast-compiled: the layer compiled on any device (on a CPU: what compiling would give there);
 - fast-joins: fast over a job as jobs run: four prompts per row of the batch (the batch's own, rotated), each row
   its own max_new_tokens (a quarter of `--max-new` to all of it), so that rows end at different rounds and queued
-  ones join, their prefill's tail in a round's forward (eager, not a captured step); tok/s against `fast` says
-  what joining rows cost;
+  ones join, their prefill's tail in a round's forward (not a captured step: on a GPU through the compiled
+  layer's halves); tok/s against `fast` says what joining rows cost; fast-joins-eager: the same with those
+  forwards eager (`ModelRunner.compile_prefills = False`);
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
   a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
@@ -138,9 +139,10 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
     busy fraction: None off CUDA, and with `kernels` the top kernels of its steps: `kernel_table`) of
     `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
+    ModelRunner.compile_prefills = path != "fast-joins-eager"
     paged = re.fullmatch(r"fast-paged(-flex)?(\d*)", path)
     params = None
-    if path == "fast-joins":  # rows that end at different rounds, and queued ones that join
+    if path.startswith("fast-joins"):  # rows that end at different rounds, and queued ones that join
         g = torch.Generator().manual_seed(2)
         prompts = [p[j:] + p[:j] for j in (0, 1, 2, 3) for p in prompts]
         params = [SamplingParams(max_new_tokens=int(m))
@@ -153,7 +155,7 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
     first = timed(lambda: eng.generate(prompts, params=params))
     eng.context.staging.device_s = 0.0
     wall = timed(lambda: eng.generate(prompts, params=params))
-    ModelRunner.compile_layers = None
+    ModelRunner.compile_layers, ModelRunner.compile_prefills = None, True
     busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
     table = kernel_table(eng, prompts, kernels) if kernels else []
     tokens = batch * max_new if params is None else sum(p.max_new_tokens for p in params)
@@ -266,8 +268,8 @@ def main():
             for line in table:
                 log(args.out, line)
         for (name, batch), tok_s in got.items():  # ratios, once every row of the shape has run
-            refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "fast-joins", "generic", "hf eager",
-                                                   "hf compiled")
+            refs = [(r, got[r, batch]) for r in ("fast", "fast-serial", "fast-joins", "fast-joins-eager", "generic",
+                                                   "hf eager", "hf compiled")
                     if (r, batch) in got and r != name]
             if refs and not name.startswith("hf"):
                 log(args.out, f"# {shape} {name} batch {batch}: " +

@@ -113,6 +113,33 @@ def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts
     assert calls["step_joined"] >= 2  # the first admission, and rows joining as others finish
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_prefills_and_joining_rows_run_through_the_compiled_halves(target, prompts, reference, layout, monkeypatch):
+    """Where the layer is compiled, the forwards no graph captures (the first admission's prefill, prompts that go on
+    from a cached prefix, rows joining a round beside the others' step) run through its compiled halves, each
+    compilation's first forward checked against eager's as a step's is: none falls back, and the tokens are
+    transformers'. (On a GPU the joining forward is then a few fused kernels a layer instead of ~48 eager ops;
+    here compiling is forced, as bench/step_speed.py's fast-compiled does.)"""
+    from specdec.exec import graphs
+
+    monkeypatch.setattr(ModelRunner, "compile_layers", True)
+    used = collections.Counter()
+    for name in ("layer_prefill", "layer_parts", "layer_forward"):
+        def spy(*args, _real=getattr(llama, name), _name=name, **kwargs):  # layer_parts takes `pre` 13th
+            used[_name, kwargs.get("pre", args[12] if len(args) > 12 else None) in graphs.compiled_halves()] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(llama, name, spy)
+    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(method="none"), batch_size=3,
+                     profile=flat_profile(), kv_cache=layout, step_graphs=False)
+    out = eng.generate(prompts + prompts[:2])  # the last two go on from the prefixes the first two stored
+    assert [r.token_ids for r in out] == reference + reference[:2]
+    runner = eng._runners["target"]
+    assert runner.eager == {} and {("layer", False, True, False), ("layer", True, True, False)} <= runner.checked
+    layers = target.config.num_hidden_layers  # eager runs the layers once more, in a compilation's first check
+    assert used["layer_prefill", True] and used["layer_parts", True] > layers >= used["layer_parts", False], used
+
+
 @pytest.mark.parametrize("method,layout", [("none", "dense"), ("draft_model", "paged")])
 def test_while_rows_decode_rows_join_within_one_chunk_in_the_rounds_forward(target, drafts, method, layout,
                                                                            monkeypatch):

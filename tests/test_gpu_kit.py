@@ -141,7 +141,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
             assert re.search(rf"^tiny\s+{path}\s+1\s+\d+\.\d", speed, re.M), (stage, path, speed)
         assert re.search(r"^# ops per step \d+, \d+\.\d+ ms per step", speed, re.M), speed  # the profiled step
     joins = (out["joins"] / "step_speed.txt").read_text()  # rows that join a running batch, and rows that do not
-    assert all(re.search(rf"^tiny\s+{path}\s+2\s+\d+\.\d", joins, re.M) for path in ("fast", "fast-joins")), joins
+    assert all(re.search(rf"^tiny\s+{path}\s+2\s+\d+\.\d", joins, re.M)
+               for path in ("fast", "fast-joins", "fast-joins-eager")), joins
     for name in ("test_greedy_batches", "test_overlap", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]

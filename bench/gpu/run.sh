@@ -152,8 +152,9 @@ stage() {
         ${KIT_SHAPE_ARGS:---shapes llama8b,llama1b --alpha 0.8 --batches 1,8,32,64 --ks 2,4 --no-split} ;;
     joins)
       wheels
-      step step_speed_joins "${KIT_JOINS_S:-60}" python3 bench/step_speed.py --device "$DEVICE" \
-        --shapes "${KIT_SMALL:-smollm2}" --paths fast,fast-joins --batches "${KIT_JOINS_BATCH:-32}" --hf "" \
+      step step_speed_joins "${KIT_JOINS_S:-75}" python3 bench/step_speed.py --device "$DEVICE" \
+        --shapes "${KIT_SMALL:-smollm2}" --paths fast,fast-joins,fast-joins-eager \
+        --batches "${KIT_JOINS_BATCH:-32}" --hf "" \
         --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --out "$OUT/step_speed.txt" ;;
   esac
   echo "# stage $STAGE: ${FAILED:-every step exited 0}"

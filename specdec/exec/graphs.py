@@ -10,9 +10,10 @@ buffer and padding logic where no GPU is.
 
 `compiled_layer()` is the lean decoder layer (specdec/exec/llama.py) with its two halves around the attention
 through `torch.compile`, which fuses their elementwise work (norms, RoPE, activations) into a few kernels;
-every layer of every Llama-family model in the process shares them. The cache writes and the attention
-run eagerly between them (inside a graph that costs no launches): inductor's CUDA attention lowering over a
-cache slice of symbolic length fails its own stride checks. Shapes are symbolic: each half compiles four times
+every layer of every Llama-family model in the process shares them, and so do the forwards no graph captures
+(prefills, rows joining a round: `compiled_halves`). The cache writes and the attention run eagerly between them
+(inside a graph that costs no launches): inductor's CUDA attention lowering over a cache slice of symbolic length
+fails its own stride checks. Shapes are symbolic: each half compiles four times
 per model shape (one row or more, one token or more: PyTorch specializes sizes 0 and 1), not per batch size or
 width; sizes are not "duck-shaped" (a width that happened to equal the number of KV heads would otherwise be
 guarded as equal). On CPU the compiled layer is slower than eager and takes minutes to compile, so only GPUs use
@@ -59,15 +60,26 @@ def compiled_flex() -> Callable:
     return _COMPILED["flex"]
 
 
-def compiled_layer() -> Callable:
+def compiled_halves() -> tuple[Callable, Callable]:
+    """The lean layer's halves around its attention (norm, q/k/v and RoPE; o_proj, the residual and the MLP) through
+    torch.compile, once per process: the compiled layer's, and the eager forwards' (prefills, rows joining a round)."""
     from . import llama
 
-    if "layer" not in _COMPILED:
+    if "halves" not in _COMPILED:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
         _many_compilations()
-        pre, post = (torch.compile(f, dynamic=True, fullgraph=True) for f in (llama._attention_in, llama._layer_out))
+        _COMPILED["halves"] = tuple(torch.compile(f, dynamic=True, fullgraph=True)
+                                    for f in (llama._attention_in, llama._layer_out))
+    return _COMPILED["halves"]
+
+
+def compiled_layer() -> Callable:
+    from . import llama
+
+    if "layer" not in _COMPILED:
+        pre, post = compiled_halves()
         _COMPILED["layer"] = partial(llama.layer_forward, pre=pre, post=post)
     return _COMPILED["layer"]
 

@@ -212,29 +212,32 @@ def layer_forward(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: to
 
 
 def layer_prefill(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float) -> torch.Tensor:
+                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
+                  pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
     """Decoder layer `index` over fresh rows (their tokens from position 0): writes their keys and values where
-    `kv` puts them and attends causally within the forward's own tokens (nothing to read back)."""
-    q, k, v = _attention_in(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
+    `kv` puts them and attends causally within the forward's own tokens (nothing to read back). `pre`, `post`: as
+    `layer_forward`'s."""
+    q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
     kv.write(index, k, v)
-    return _layer_out(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
+    return post(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
 
 
-def layer_parts(xs: list[torch.Tensor], layer: Layer, views: list[KVView], index: int, ropes: list[tuple],
-                masks: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, eps: float) -> list[torch.Tensor]:
-    """Decoder layer `index` over several windows of cache rows at once, x_i [n_i, t_i, d] -> the same shapes: the
-    projections and the MLP run once over every window's tokens (each weight read once), the cache writes, RoPE
-    (`ropes`: each window's cos, sin) and attention per window (its view and mask), as `layer_forward` does."""
-    sizes = [x.shape[0] * x.shape[1] for x in xs]
-    flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])[None]  # [1, tokens, d]
-    qkv = F.linear(rms_norm(flat, layer.ln1, eps), layer.qkv, layer.qkv_bias)[0]
-    outs = []
-    for part, x, kv, (cos, sin), mask in zip(qkv.split(sizes), xs, views, ropes, masks):
-        q, k, v = _heads(part.view(*x.shape[:2], -1), cos, sin, heads, kv_heads, head_dim)
-        kv.write(index, k, v)
-        outs.append(_attend(q, *kv.read(index), mask).reshape(-1, heads * head_dim))
-    out = _layer_out(flat, layer, torch.cat(outs)[None], eps)[0]
-    return [o.view(x.shape) for o, x in zip(out.split(sizes), xs)]
+def layer_parts(flat: torch.Tensor, shapes: list[tuple[int, int]], layer: Layer, views: list[KVView], index: int,
+                cos: torch.Tensor, sin: torch.Tensor, masks: list[torch.Tensor], heads: int, kv_heads: int,
+                head_dim: int, eps: float, pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
+    """Decoder layer `index` over several windows of cache rows at once, their tokens side by side: flat [1, T, d]
+    (window i's n_i x t_i tokens in turn, `shapes`) -> the same shape. The norms, projections, RoPE (cos, sin
+    [1, 1, T, hd]: each token's) and the MLP run once over every window's tokens (each weight read once: `pre` and
+    `post`, as `layer_forward`'s), the cache writes and attention per window (its view and mask)."""
+    q, k, v = pre(flat, layer, cos, sin, heads, kv_heads, head_dim, eps)  # [1, heads, T, hd], [1, T, kv_heads, hd]
+    outs, at = [], 0
+    for (n, t), kv, mask in zip(shapes, views, masks):
+        window = slice(at, at + n * t)
+        at += n * t
+        kv.write(index, k[0, window].view(n, t, kv_heads, head_dim), v[0, window].view(n, t, kv_heads, head_dim))
+        qi = q[0, :, window].view(heads, n, t, head_dim).transpose(0, 1)
+        outs.append(_attend(qi, *kv.read(index), mask).reshape(n * t, heads * head_dim))
+    return post(flat, layer, torch.cat(outs)[None], eps)
 
 
 def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int | None):
@@ -287,22 +290,26 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
 
 
 def forward_parts(w: LlamaWeights, cache: KVCache, parts: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-                  ) -> list[torch.Tensor]:
+                  pre: Callable = _attention_in, post: Callable = _layer_out) -> list[torch.Tensor]:
     """`forward` over several windows of cache rows in one pass over the weights: parts (tokens [n_i, t_i],
     positions [n_i, t_i], kv_len, start) -> hidden states [n_i, t_i, d] after the final norm, each as `forward`
-    gives it (rows at different lengths, a prefill's tail beside a round's step: the linear layers take all their
-    tokens together)."""
-    xs, views, ropes, masks = [], [], [], []
+    gives it (rows at different lengths, a prefill's tail beside a round's step: every layer's halves take all
+    their tokens together, `layer_parts`)."""
+    shapes = [tuple(tokens.shape) for tokens, _, _, _ in parts]
+    views, ropes, masks = [], [], []
     for tokens, positions, kv_len, start in parts:
         positions = positions.clamp(max=cache.max_len - 1)
         cos, sin, mask = _rope_and_mask(w, positions, kv_len)
-        xs.append(embed(w, tokens))
         views.append(cache.view(start, start + tokens.shape[0], positions, kv_len))
         ropes.append((cos, sin))
         masks.append(mask)
+    cos, sin = (torch.cat([r[i].reshape(-1, w.head_dim) for r in ropes])[None, None] for i in (0, 1))
+    x = torch.cat([embed(w, tokens).flatten(0, 1) for tokens, _, _, _ in parts])[None]  # [1, T, d]
     for index, layer in enumerate(w.layers):
-        xs = layer_parts(xs, layer, views, index, ropes, masks, w.heads, w.kv_heads, w.head_dim, w.eps)
-    return [rms_norm(x, w.norm, w.eps) for x in xs]
+        x = layer_parts(x, shapes, layer, views, index, cos, sin, masks, w.heads, w.kv_heads, w.head_dim, w.eps,
+                        pre, post)
+    x = rms_norm(x, w.norm, w.eps)[0]
+    return [h.view(n, t, -1) for h, (n, t) in zip(x.split([n * t for n, t in shapes]), shapes)]
 
 
 def prefill(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, start: int,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from . import llama
 from .cache import KVCache, forward_hidden
-from .graphs import StepGraphs, compiled_layer, pow2_at_least
+from .graphs import StepGraphs, compiled_halves, compiled_layer, pow2_at_least
 
 if TYPE_CHECKING:
     from .inputs import Join
@@ -52,6 +52,9 @@ class ModelRunner:
     # run the lean layer through torch.compile: None on GPUs only (on CPU it is slower), True / False always /
     # never (bench/step_speed.py compares: fast, fast-uncompiled, fast-compiled)
     compile_layers: bool | None = None
+    # where the layer is compiled, forwards no graph captures (prefills, rows joining a round) run through its compiled
+    # halves too (False: eagerly; bench/step_speed.py's fast-joins-eager)
+    compile_prefills: bool = True
 
     def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
                  lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None,
@@ -103,7 +106,8 @@ class ModelRunner:
         if offsets is not None:
             hidden = self._extend(tokens, start, end, offsets)
         elif self.lean is not None:
-            hidden = llama.prefill(self.lean, self.cache, tokens, start)
+            hidden = self._halves(*tokens.shape, lambda pre, post: llama.prefill(
+                self.lean, self.cache, tokens, start, partial(llama.layer_prefill, pre=pre, post=post)))
         else:
             t = tokens.shape[1]
             positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
@@ -127,8 +131,23 @@ class ModelRunner:
             + torch.arange(t, device=self.device)
         kv_len = min(int(np.max(offsets)) + t, self.cache.max_len)
         if self.lean is not None:
-            return llama.forward(self.lean, self.cache, tokens, positions, kv_len, llama.layer_forward, start=start)
+            return self._halves(end - start, t, lambda pre, post: llama.forward(
+                self.lean, self.cache, tokens, positions, kv_len, partial(llama.layer_forward, pre=pre, post=post),
+                start=start))
         return forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
+
+    def _halves(self, n: int, t: int, forward: Callable):
+        """forward(pre, post), a forward no graph captures (a prefill, rows joining a round) whose layers' halves
+        see n rows x t tokens: through the compiled halves where the layer is compiled (a GPU's), the first forward
+        of their compilation (the key a step of n x t has off the graphs) checked against eager's as a step's is
+        (a failure or a mismatch runs that key eagerly for good); else eagerly."""
+        eager = (llama._attention_in, llama._layer_out)
+        key = ("layer", n > 1, t > 1, False)
+        if self.layer is llama.layer_forward or not self.compile_prefills or key in self.eager:
+            return forward(*eager)
+        if key in self.checked:
+            return forward(*compiled_halves())
+        return self._first(key, lambda: _compared(forward(*compiled_halves())), lambda: _compared(forward(*eager)))[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over hidden states [..., d] -> [..., vocab]."""
@@ -219,7 +238,8 @@ class ModelRunner:
         parts = ([(tokens, positions, min(kv_len, most), 0)] if n else []) \
             + [(join.tokens, join.positions, min(join.kv_len, most), join.start)]
         if self.lean is not None:
-            hidden = llama.forward_parts(self.lean, self.cache, parts)
+            hidden = self._halves(1, sum(t.numel() for t, _, _, _ in parts),
+                                  lambda pre, post: llama.forward_parts(self.lean, self.cache, parts, pre, post))
         else:
             hidden = [forward_hidden(self.model, self.cache, t, p, start, start + t.shape[0], kv)
                       for t, p, kv, start in parts]
@@ -268,6 +288,11 @@ class ModelRunner:
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
         return self.logits(hidden), hidden
+
+
+def _compared(hidden: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+    """A forward's hidden states as `_first` compares them (one tensor of rows), and as they were."""
+    return (torch.cat([h.flatten(0, -2) for h in hidden]) if isinstance(hidden, list) else hidden), hidden
 
 
 def mismatch(fast: torch.Tensor, ref: torch.Tensor) -> str | None:

@@ -138,6 +138,10 @@ def test_prefills_and_joining_rows_run_through_the_compiled_halves(target, promp
     assert runner.eager == {} and {("layer", False, True, False), ("layer", True, True, False)} <= runner.checked
     layers = target.config.num_hidden_layers  # eager runs the layers once more, in a compilation's first check
     assert used["layer_prefill", True] and used["layer_parts", True] > layers >= used["layer_parts", False], used
+    # a job's capture compiles them before its rows join (`SpecEngine.capture_steps`)
+    fresh = ModelRunner(target, RaggedKVCache(target, 4, 64), target.lm_head.weight)
+    fresh.warm_halves()
+    assert fresh.eager == {} and fresh.checked == {("layer", False, True, False), ("layer", True, True, False)}
 
 
 @pytest.mark.parametrize("method,layout", [("none", "dense"), ("draft_model", "paged")])

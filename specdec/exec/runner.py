@@ -229,6 +229,15 @@ class ModelRunner:
             ran += 1
         return ran
 
+    def warm_halves(self) -> None:
+        """Compile now, and check against eager, what prefills and joining rows meet of the compiled halves (one row
+        or more, several tokens): over junk tokens in cache rows [0, 2), before rows join (as `capture` writes)."""
+        if self.lean is None or self.layer is llama.layer_forward or not self.compile_prefills:
+            return
+        for n in sorted({1, min(2, self.cache.rows)}):
+            junk = torch.zeros((n, 2), dtype=torch.int64, device=self.device)
+            self._extend(junk, 0, n, np.zeros(n, dtype=np.int64))
+
     def step_joined(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
                     join: Join) -> tuple[torch.Tensor, torch.Tensor]:
         """A step over rows [0, n) as `step` (it may have none) and, in the same forward, the rows `join` names:

@@ -1,11 +1,12 @@
 """Greedy rows of the real pair against transformers' `generate` on the same device: the scenario in which an H200
 once gave 0 of 8 rows equal at batch 8 (float32, 8 held-out chat prompts, an engine budget of 128 new tokens, 48
 asked per row), at each batch size and method. A check for the GPU kit's second call (where the real target arrives),
-not a timing: it prints, per method and batch size, how many rows equal transformers' tokens and, for each other
-row, the first token where it parts with transformers' logit margin there (its token's logit minus ours, and its
-top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for the first case with
-parted rows, how many are equal with the captured steps off, with the compiled layer off (where those are on:
-CUDA) and with SDPA's math backend in place of its fused kernels.
+not a timing: it prints, per method and batch size, how many rows equal transformers' tokens, the step path with the
+largest relative error a fast step's first run had against eager's (a fault the check's tolerance lets through shows
+there) and, for each other row, the first token where it parts with transformers' logit margin there (its token's
+logit minus ours, and its top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for
+the first case with parted rows, how many are equal with the captured steps off, with the compiled layer off (where
+those are on: CUDA) and with SDPA's math backend in place of its fused kernels.
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
@@ -49,7 +50,8 @@ def margin(pair, prompt: list[int], want: list[int], got: list[int]) -> str | No
 
 
 def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
-    """Rows equal to `want`, each other row's `margin`, and the engine's step path."""
+    """Rows equal to `want`, each other row's `margin`, and the engine's step path with the worst first-step check
+    against eager (`SpecEngine.step_errors`: its relative error and the step's key)."""
     eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.budget), METHODS[method], batch_size=bs,
                      capture_budget=args.capture_budget, **engine)
     out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=args.max_new)] * len(prompts))
@@ -58,7 +60,9 @@ def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int,
         cell = margin(pair, p, w, r.token_ids)
         if cell is not None:
             cells.append(cell)
-    return len(prompts) - len(cells), cells, eng.step_path
+    worst = eng.step_errors
+    checked = "" if worst is None else f" {worst[0]:.1e}@{','.join(map(str, worst[1]))}"
+    return len(prompts) - len(cells), cells, eng.step_path + checked
 
 
 def main():
@@ -86,7 +90,8 @@ def main():
         open(args.out, "w").close()
     log(args.out, f"# {describe(pair)}; {n} held-out chat prompts, {args.max_new} new tokens under a budget of "
                   f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's "
-                  f"first differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap)")
+                  f"first differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap); the step "
+                  f"path with the worst first-step check against eager (relative error@the step's key)")
     log(args.out, f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted")
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
     for name in args.methods.split(","):

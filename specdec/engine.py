@@ -326,6 +326,13 @@ class SpecEngine:
         lean = self.fast_path and llama.unsupported(self.target) is None
         return ("graphs" if self.device.type == "cuda" else "lean") if lean else "generic"
 
+    @property
+    def step_errors(self) -> tuple[float, tuple] | None:
+        """The largest relative error of a fast step's first run against eager's (`ModelRunner._first`), over every
+        model's checked shapes, with that shape's key (None: none checked: a CPU's eager steps)."""
+        errors = [(e, key) for r in self._runners.values() for key, e in getattr(r, "errors", {}).items()]
+        return max(errors, key=lambda x: x[0], default=None)
+
     def new_batch(self, rows: int, max_len: int, policy: LengthPolicy, blocks: int | None = None,
                   formats: bool = False, prefixes: bool = True) -> Batch:
         """An empty batch of `rows` slots of `max_len` tokens (a paged cache: of `blocks` blocks; None: every row

@@ -136,6 +136,8 @@ def test_prefills_and_joining_rows_run_through_the_compiled_halves(target, promp
     assert [r.token_ids for r in out] == reference + reference[:2]
     runner = eng._runners["target"]
     assert runner.eager == {} and {("layer", False, True, False), ("layer", True, True, False)} <= runner.checked
+    worst, _ = eng.step_errors  # float32: the compiled halves' rounding, ~1e-7, far below the check's 1e-3
+    assert set(runner.errors) == runner.checked and worst < 1e-5, runner.errors
     layers = target.config.num_hidden_layers  # eager runs the layers once more, in a compilation's first check
     assert used["layer_prefill", True] and used["layer_parts", True] > layers >= used["layer_parts", False], used
     # a job's capture compiles them before its rows join (`SpecEngine.capture_steps`)

@@ -63,7 +63,9 @@ def equal_rows(eng: SpecEngine, prompts, ref, cached: list[int] | None = None,
     same = [r.token_ids == want for r, want in zip(out, ref)]
     first = next((i for i, s in enumerate(same) if not s), None)
     note = "" if first is None else note_parting(eng.pair.target, prompts[first], ref[first], out[first].token_ids)
-    return same, f"{sum(same)}/{len(same)} rows equal transformers'{note} ({eng.step_path})"
+    worst = eng.step_errors  # a fast step's largest relative error against eager's, where one was checked (a GPU)
+    checked = "" if worst is None else f"; first steps against eager: at most {worst[0]:.1e}, at {worst[1]}"
+    return same, f"{sum(same)}/{len(same)} rows equal transformers'{note} ({eng.step_path}{checked})"
 
 
 def note_parting(model, prompt: list[int], want: list[int], got: list[int]) -> str:

@@ -82,6 +82,7 @@ class ModelRunner:
         self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
         self.checked: set[tuple] = set()  # shapes whose fast step matched eager
         self.eager: dict[tuple, str] = {}  # shapes sent to the eager path, with the reason
+        self.errors: dict[tuple, float] = {}  # each checked shape's relative error against eager (`relative_error`)
         self.sealed = False  # steps of shapes not captured yet run through covering ones for a while (`cover`)
         self.met: dict[tuple, int] = {}  # how often each shape not captured yet was met since `sealed`
 
@@ -277,7 +278,8 @@ class ModelRunner:
             why = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         ref = eager()
         if why is None:
-            why = mismatch(logits, ref[0])
+            self.errors[key] = relative_error(logits, ref[0])
+            why = mismatch(logits, ref[0], self.errors[key])
         if why is None:
             self.checked.add(key)
         else:
@@ -304,13 +306,19 @@ def _compared(hidden: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, 
     return (torch.cat([h.flatten(0, -2) for h in hidden]) if isinstance(hidden, list) else hidden), hidden
 
 
-def mismatch(fast: torch.Tensor, ref: torch.Tensor) -> str | None:
-    """Why a fast step's logits cannot stand for eager's, or None when they can: non-finite, or a relative
-    error ||fast - ref|| / ||ref|| at some position beyond tolerance (1e-3 in float32; 0.2 in 16-bit
-    floats, where fused kernels round differently: a broken step is off by ~1). One read of the device."""
+def relative_error(fast: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest relative error ||fast - ref|| / ||ref|| of a fast step's logits at a position against eager's
+    (inf where fast's are not finite). One read of the device."""
     f, r = fast.float().flatten(0, -2), ref.float().flatten(0, -2)
     err = (f - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)
-    worst = float(torch.where(torch.isfinite(f).all(-1), err, torch.inf).max())
+    return float(torch.where(torch.isfinite(f).all(-1), err, torch.inf).max())
+
+
+def mismatch(fast: torch.Tensor, ref: torch.Tensor, worst: float | None = None) -> str | None:
+    """Why a fast step's logits cannot stand for eager's, or None when they can: non-finite, or a relative
+    error at some position (`relative_error`, or `worst` where the caller has it) beyond tolerance (1e-3 in
+    float32; 0.2 in 16-bit floats, where fused kernels round differently: a broken step is off by ~1)."""
+    worst = relative_error(fast, ref) if worst is None else worst
     if worst == float("inf"):
         return "non-finite logits"
     tol = 1e-3 if ref.dtype == torch.float32 else 0.2

@@ -48,6 +48,19 @@ class Ops(TorchDispatchMode):
         self.joins = 0  # forwards that took joining rows (`ModelRunner.step_joined`), and their ops
         self.join_ops = 0
 
+    def uncounted(self, f):
+        """f with the ops it dispatches not counted (a forward's; a compiled half's, one call), its calls counted in
+        `calls`."""
+        def call(*a, **kw):
+            self.inside += 1
+            call.calls += 1
+            try:
+                return f(*a, **kw)
+            finally:
+                self.inside -= 1
+        call.calls = 0
+        return call
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside and not func.is_view:  # views launch nothing
             frames = [f for f in traceback.extract_stack() if f"{os.sep}specdec{os.sep}" in f.filename]
@@ -100,26 +113,15 @@ def halves(target, counter: Ops) -> str:
     cache = RaggedKVCache(target, rows=8, max_len=128)
     parts = [(torch.zeros(6, 1, dtype=torch.long), torch.full((6, 1), 20), 64, 0),
              (torch.zeros(2, 25, dtype=torch.long), torch.arange(25).expand(2, 25), 25, 6)]
-    calls = collections.Counter()
-
-    def opaque(f):
-        def call(*a, **kw):
-            counter.inside += 1
-            calls[f.__name__] += 1
-            try:
-                return f(*a, **kw)
-            finally:
-                counter.inside -= 1
-        return call
-
+    opaque = [counter.uncounted(f) for f in (llama._attention_in, llama._layer_out)]
     weights, counts = llama.load_weights(target), []
-    for pre, post in ((llama._attention_in, llama._layer_out), (opaque(llama._attention_in), opaque(llama._layer_out))):
+    for pre, post in ((llama._attention_in, llama._layer_out), opaque):
         counter.where.clear()
         with counter:
             llama.forward_parts(weights, cache, parts, pre, post)
         counts.append(sum(counter.where.values()))
     return (f"# a joining forward, {layers} layers (6 rows x 1 token, 2 rows x 25): eager {counts[0]} ops "
-            f"({counts[0] / layers:.1f} a layer); with each half one call ({sum(calls.values())} calls) "
+            f"({counts[0] / layers:.1f} a layer); with each half one call ({sum(f.calls for f in opaque)} calls) "
             f"{counts[1]} ops between them ({counts[1] / layers:.1f} a layer)")
 
 
@@ -141,14 +143,6 @@ def main():
     counter = Ops()
     counter.top = args.top
     step = ModelRunner._step
-
-    def counted_step(self, *a, **kw):
-        counter.inside += 1
-        try:
-            return step(self, *a, **kw)
-        finally:
-            counter.inside -= 1
-
     joined = ModelRunner.step_joined
 
     def counted_join(self, *a, **kw):
@@ -159,7 +153,7 @@ def main():
             counter.joins += 1
             counter.join_ops += sum(counter.where.values()) - before
 
-    ModelRunner._step, ModelRunner.step_joined = counted_step, counted_join
+    ModelRunner._step, ModelRunner.step_joined = counter.uncounted(step), counted_join
     lines = ["# ops a round dispatches outside the models' forwards (tiny pair, greedy, 32 new tokens, static steps)",
              f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s} "
              f"{'joins':>5s} {'ops a join':>10s}  most, a round: function"]

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -137,18 +138,20 @@ class ModelRunner:
                 start=start))
         return forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
 
+    @property
+    def _prefill_halves(self) -> bool:
+        """Whether forwards no graph captures run the compiled halves: the layer is compiled, and `compile_prefills`."""
+        return self.layer is not llama.layer_forward and self.compile_prefills
+
     def _halves(self, n: int, t: int, forward: Callable):
         """forward(pre, post), a forward no graph captures (a prefill, rows joining a round) whose layers' halves
-        see n rows x t tokens: through the compiled halves where the layer is compiled (a GPU's), the first forward
-        of their compilation (the key a step of n x t has off the graphs) checked against eager's as a step's is
-        (a failure or a mismatch runs that key eagerly for good); else eagerly."""
-        eager = (llama._attention_in, llama._layer_out)
-        key = ("layer", n > 1, t > 1, False)
-        if self.layer is llama.layer_forward or not self.compile_prefills or key in self.eager:
-            return forward(*eager)
-        if key in self.checked:
-            return forward(*compiled_halves())
-        return self._first(key, lambda: _compared(forward(*compiled_halves())), lambda: _compared(forward(*eager)))[1]
+        see n rows x t tokens: through the compiled halves where `_prefill_halves`, checked as a step of their
+        compilation is (`_checked`, under the key a step of n x t has off the graphs); else eagerly."""
+        eager = partial(forward, llama._attention_in, llama._layer_out)
+        if not self._prefill_halves:
+            return eager()
+        return self._checked(("layer", n > 1, t > 1, False), lambda: forward(*compiled_halves()), eager,
+                             compared=_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over hidden states [..., d] -> [..., vocab]."""
@@ -184,11 +187,19 @@ class ModelRunner:
         else:
             key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations
             fast = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask)
-        if key in self.eager or (not graphed and self.layer is llama.layer_forward):
+        if not graphed and self.layer is llama.layer_forward:
             return eager()
-        if key in self.checked or not self._checks(graphed):
+        return self._checked(key, fast, eager, self._checks(graphed))
+
+    def _checked(self, key: tuple, fast: Callable, eager: Callable, check: bool = True,
+                 compared: Callable = itemgetter(0)):
+        """fast() where `key`'s fast path stood for eager's at its first run (that run checked now, `_first`, unless
+        `check` is off), eager() where it did not. `compared`: the logits (or hidden states) of a run's result."""
+        if key in self.eager:
+            return eager()
+        if key in self.checked or not check:
             return fast()
-        return self._first(key, fast, eager)
+        return self._first(key, fast, eager, compared)
 
     def key(self, n: int, t: int, kv_len: int, full: bool) -> tuple[int, int, int, bool]:
         """The captured step that serves a step of n rows x t tokens attending over kv_len slots (`full`: logits at
@@ -233,7 +244,7 @@ class ModelRunner:
     def warm_halves(self) -> None:
         """Compile now, and check against eager, what prefills and joining rows meet of the compiled halves (one row
         or more, several tokens): over junk tokens in cache rows [0, 2), before rows join (as `capture` writes)."""
-        if self.lean is None or self.layer is llama.layer_forward or not self.compile_prefills:
+        if not self._prefill_halves:
             return
         for n in sorted({1, min(2, self.cache.rows)}):
             junk = torch.zeros((n, 2), dtype=torch.int64, device=self.device)
@@ -262,14 +273,14 @@ class ModelRunner:
         return (graphed and self.graphs.capture) or self.layer is not llama.layer_forward \
             or self.fault is not None
 
-    def _first(self, key: tuple, fast, eager):
-        """A shape's first fast step, checked against eager's; returns eager's result."""
+    def _first(self, key: tuple, fast, eager, compared: Callable = itemgetter(0)):
+        """A shape's first fast step, checked against eager's (their `compared` parts); returns eager's result."""
         why = None
         try:
             mode = self.fault(key) if self.fault is not None else None
             if mode == "raise":
                 raise RuntimeError("injected fault: capture failed")
-            logits = fast()[0]
+            logits = compared(fast())
             if mode == "nan":
                 logits = torch.full_like(logits, float("nan"))
         except Exception as exc:  # noqa: BLE001 - any failure of the fast path falls back, but memory is the caller's
@@ -278,8 +289,9 @@ class ModelRunner:
             why = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         ref = eager()
         if why is None:
-            self.errors[key] = relative_error(logits, ref[0])
-            why = mismatch(logits, ref[0], self.errors[key])
+            want = compared(ref)
+            self.errors[key] = relative_error(logits, want)
+            why = verdict(self.errors[key], want.dtype)
         if why is None:
             self.checked.add(key)
         else:
@@ -301,9 +313,9 @@ class ModelRunner:
         return self.logits(hidden), hidden
 
 
-def _compared(hidden: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
-    """A forward's hidden states as `_first` compares them (one tensor of rows), and as they were."""
-    return (torch.cat([h.flatten(0, -2) for h in hidden]) if isinstance(hidden, list) else hidden), hidden
+def _rows(hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A forward's hidden states (a tensor, or one per window) as `_first` compares them."""
+    return torch.cat([h.flatten(0, -2) for h in hidden]) if isinstance(hidden, list) else hidden
 
 
 def relative_error(fast: torch.Tensor, ref: torch.Tensor) -> float:
@@ -314,12 +326,16 @@ def relative_error(fast: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.where(torch.isfinite(f).all(-1), err, torch.inf).max())
 
 
-def mismatch(fast: torch.Tensor, ref: torch.Tensor, worst: float | None = None) -> str | None:
-    """Why a fast step's logits cannot stand for eager's, or None when they can: non-finite, or a relative
-    error at some position (`relative_error`, or `worst` where the caller has it) beyond tolerance (1e-3 in
-    float32; 0.2 in 16-bit floats, where fused kernels round differently: a broken step is off by ~1)."""
-    worst = relative_error(fast, ref) if worst is None else worst
+def mismatch(fast: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """Why a fast step's logits cannot stand for eager's, or None when they can (`verdict` on `relative_error`)."""
+    return verdict(relative_error(fast, ref), ref.dtype)
+
+
+def verdict(worst: float, dtype: torch.dtype) -> str | None:
+    """Why logits `worst` (`relative_error`) from eager's cannot stand for them, or None when they can:
+    non-finite, or beyond tolerance (1e-3 in float32; 0.2 in 16-bit floats, where fused kernels round differently:
+    a broken step is off by ~1)."""
     if worst == float("inf"):
         return "non-finite logits"
-    tol = 1e-3 if ref.dtype == torch.float32 else 0.2
+    tol = 1e-3 if dtype == torch.float32 else 0.2
     return f"logits differ from eager's by {worst:.3g} (relative; tolerance {tol})" if worst > tol else None

@@ -11,6 +11,8 @@ those are on: CUDA) and with SDPA's math backend in place of its fused kernels.
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
                                     [--draft none]   (the target alone: --methods none)
+                                    [--cuda-path]    (a CPU down a GPU's code: static steps, compiled layer,
+                                                      additive masks, drafting ahead)
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from step_speed import log  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
+from specdec.exec import llama  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
+from specdec.spec.proposers.base import Proposer  # noqa: E402
 
 METHODS = {"none": SpecConfig(method="none"),
-           "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3)}
+           "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3),
+           "default": SpecConfig()}  # the engine's defaults
 
 
 def margin(pair, prompt: list[int], want: list[int], got: list[int]) -> str | None:
@@ -76,8 +81,15 @@ def main():
     ap.add_argument("--budget", type=int, default=128, help="the engine's max_new_tokens (caches and steps sized)")
     ap.add_argument("--capture-budget", type=float, default=5.0,
                     help="seconds each engine captures steps before its rows join (the rest: when first met)")
+    ap.add_argument("--cuda-path", action="store_true",
+                    help="run the engines down the CUDA path's code where no GPU is: the static steps (as graphs "
+                         "are replayed), the compiled layer, additive attention masks, drafting ahead at a cost")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.cuda_path:  # what a GPU's engine does differently, on this device
+        ModelRunner.compile_layers = True
+        llama.ADDITIVE_MASKS = {torch.device(args.device).type}
+        Proposer.ahead_pays = property(lambda self: True)
     if args.draft == "none" and args.methods != "none":
         ap.error("--draft none: only --methods none runs without a draft")
     t0 = time.perf_counter()
@@ -94,24 +106,25 @@ def main():
                   f"path with the worst first-step check against eager (relative error@the step's key)")
     log(args.out, f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted")
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
+    forced = {"step_graphs": True} if args.cuda_path else {}
     for name in args.methods.split(","):
         for bs in [int(b) for b in args.batches.split(",")]:
             with torch.inference_mode():
-                same, cells, path = run(pair, prompts, want, name, bs, args)
+                same, cells, path = run(pair, prompts, want, name, bs, args, **forced)
             log(args.out, f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
-            if same < n and cuda and not diagnosed:  # which part of the CUDA path parts them (once: the budget)
-                diagnosed = True
+            if same < n and (cuda or args.cuda_path) and not diagnosed:  # which part of that path parts them
+                diagnosed = True  # (once: the budget)
                 with torch.inference_mode():
                     graphs_off = run(pair, prompts, want, name, bs, args, step_graphs=False)[0]
-                    ModelRunner.compile_layers = False
+                    compiled, ModelRunner.compile_layers = ModelRunner.compile_layers, False
                     try:
-                        layer_off = run(pair, prompts, want, name, bs, args)[0]
+                        layer_off = run(pair, prompts, want, name, bs, args, **forced)[0]
                     finally:
-                        ModelRunner.compile_layers = None
+                        ModelRunner.compile_layers = compiled
                 log(args.out, f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
                               f"{layer_off}/{n}")
                 with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
-                    math = run(pair, prompts, want, name, bs, args)[0]
+                    math = run(pair, prompts, want, name, bs, args, **forced)[0]
                 log(args.out, f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
     log(args.out, f"# {time.perf_counter() - t0:.0f} s")
 

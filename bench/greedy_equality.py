@@ -6,7 +6,8 @@ largest relative error a fast step's first run had against eager's (a fault the 
 there) and, for each other row, the first token where it parts with transformers' logit margin there (its token's
 logit minus ours, and its top-2 gap, float32: a near-tie parts rows by rounding, a clear margin by a fault), and for
 the first case with parted rows, how many are equal with the captured steps off, with the compiled layer off (where
-those are on: CUDA) and with SDPA's math backend in place of its fused kernels.
+those are on: CUDA) and with SDPA's math backend in place of its fused kernels. First it checks the reference
+itself: transformers' rows with the prompts batched (left-padded, as a user would) against its one-at-a-time rows.
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
@@ -52,6 +53,22 @@ def margin(pair, prompt: list[int], want: list[int], got: list[int]) -> str | No
         return None
     at, ours, gap = where
     return f"{at}:{'end' if ours is None else f'{ours:.1e}'}/{gap:.1e}"
+
+
+def hf_batched(pair, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy `generate` over every prompt at once, left-padded as a user batches it: each row's new
+    tokens up to its first EOS."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=pair.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=pair.device)
+    out = pair.target.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+    eos = pair.target.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    rows = []
+    for row in out[:, width:].tolist():
+        end = next((i + 1 for i, x in enumerate(row) if x in eos), len(row))
+        rows.append(row[:end])
+    return rows
 
 
 def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
@@ -104,6 +121,10 @@ def main():
                   f"{args.budget}; rows equal transformers' generate (one prompt at a time); parted: each other row's "
                   f"first differing token, at:(transformers' logit of its token - of ours)/(its top-2 gap); the step "
                   f"path with the worst first-step check against eager (relative error@the step's key)")
+    with torch.inference_mode():  # the reference itself: batched (padded) rows against one prompt at a time
+        batched = sum(w == b for w, b in zip(want, hf_batched(pair, prompts, args.max_new)))
+    log(args.out, f"# transformers' generate with the prompts batched, left-padded, equals its one-at-a-time rows: "
+                  f"{batched}/{n} (a reference a user batches is only as good as this)")
     log(args.out, f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted")
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
     forced = {"step_graphs": True} if args.cuda_path else {}

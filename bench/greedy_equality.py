@@ -11,7 +11,7 @@ itself: transformers' rows with the prompts batched (left-padded, as a user woul
 
     python bench/greedy_equality.py [--device cuda] [--dtype float32] [--batches 1,4,8] [--methods none,fixed]
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
-                                    [--draft none]   (the target alone: --methods none)
+                                    [--draft none]   (the target alone: --methods none,generator)
                                     [--cuda-path]    (a CPU down a GPU's code: static steps, compiled layer,
                                                       additive masks, drafting ahead)
 """
@@ -39,6 +39,7 @@ from specdec.engine import SpecEngine  # noqa: E402
 from specdec.exec import llama  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 from specdec.spec.proposers.base import Proposer  # noqa: E402
+from specbatch import Generator  # noqa: E402
 
 METHODS = {"none": SpecConfig(method="none"),
            "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3),
@@ -71,15 +72,31 @@ def hf_batched(pair, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     return rows
 
 
-def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
-    """Rows equal to `want`, each other row's `margin`, and the engine's step path with the worst first-step check
-    against eager (`SpecEngine.step_errors`: its relative error and the step's key)."""
+def generated(pair, prompts, method: str, bs: int, args, **engine) -> tuple[list[list[int]], SpecEngine]:
+    """Each prompt's new tokens, and the engine that made them: a `SpecEngine` over the loaded pair, or for
+    `generator` the Python API's `Generator` (the user's door, where the defect was seen: it loads the target
+    itself and runs a job worker's row pipeline over chat messages; `none`, the engine settings left as it sets them)."""
+    if method == "generator":
+        gen = Generator(models={"target": {"path": args.target, "gguf_file": args.target_gguf or None,
+                                           "dtype": args.dtype}},
+                        generation={"max_new_tokens": args.budget}, speculation={"method": "none"},
+                        resources={"batch_size": bs, "gpus_per_worker": 1 if args.device.startswith("cuda") else 0})
+        rows = gen.generate([[{"role": "user", "content": t}] for t in args.texts], max_new_tokens=args.max_new)
+        assert [r["prompt_tokens"] for r in rows] == [len(p) for p in prompts], "the chat template parts the prompts"
+        return [r["token_ids"] for r in rows], gen.engine
     eng = SpecEngine(pair, SamplingParams(max_new_tokens=args.budget), METHODS[method], batch_size=bs,
                      capture_budget=args.capture_budget, **engine)
     out = eng.generate(prompts, params=[SamplingParams(max_new_tokens=args.max_new)] * len(prompts))
+    return [r.token_ids for r in out], eng
+
+
+def run(pair, prompts, want, method: str, bs: int, args, **engine) -> tuple[int, list[str], str]:
+    """Rows equal to `want`, each other row's `margin`, and the engine's step path with the worst first-step check
+    against eager (`SpecEngine.step_errors`: its relative error and the step's key)."""
+    out, eng = generated(pair, prompts, method, bs, args, **engine)
     cells = []
     for p, w, r in zip(prompts, want, out):
-        cell = margin(pair, p, w, r.token_ids)
+        cell = margin(pair, p, w, r)
         if cell is not None:
             cells.append(cell)
     worst = eng.step_errors
@@ -92,7 +109,7 @@ def main():
     add_model_args(ap)
     ap.set_defaults(dtype="float32")
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--methods", default="none,fixed", help=",".join(METHODS))
+    ap.add_argument("--methods", default="none,fixed", help=",".join([*METHODS, "generator"]))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=48, help="tokens asked per row")
     ap.add_argument("--budget", type=int, default=128, help="the engine's max_new_tokens (caches and steps sized)")
@@ -107,11 +124,12 @@ def main():
         ModelRunner.compile_layers = True
         llama.ADDITIVE_MASKS = {torch.device(args.device).type}
         Proposer.ahead_pays = property(lambda self: True)
-    if args.draft == "none" and args.methods != "none":
-        ap.error("--draft none: only --methods none runs without a draft")
+    if args.draft == "none" and not set(args.methods.split(",")) <= {"none", "generator"}:
+        ap.error("--draft none: only --methods none and generator run without a draft")
     t0 = time.perf_counter()
     pair = load_bench_pair(args)
-    prompts = chat_ids(pair.tokenizer, (HELD_OUT * 4)[: args.prompts])
+    args.texts = (HELD_OUT * 4)[: args.prompts]
+    prompts = chat_ids(pair.tokenizer, args.texts)
     n = len(prompts)
     with torch.inference_mode():
         want = hf_run(pair, prompts, args.max_new)["tokens"]
@@ -134,18 +152,19 @@ def main():
                 same, cells, path = run(pair, prompts, want, name, bs, args, **forced)
             log(args.out, f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
             if same < n and (cuda or args.cuda_path) and not diagnosed:  # which part of that path parts them
-                diagnosed = True  # (once: the budget)
+                diagnosed = True  # (once: the budget; the generator's case split as the engine's `none`)
+                split = "none" if name == "generator" else name
                 with torch.inference_mode():
-                    graphs_off = run(pair, prompts, want, name, bs, args, step_graphs=False)[0]
+                    graphs_off = run(pair, prompts, want, split, bs, args, step_graphs=False)[0]
                     compiled, ModelRunner.compile_layers = ModelRunner.compile_layers, False
                     try:
-                        layer_off = run(pair, prompts, want, name, bs, args, **forced)[0]
+                        layer_off = run(pair, prompts, want, split, bs, args, **forced)[0]
                     finally:
                         ModelRunner.compile_layers = compiled
                 log(args.out, f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
                               f"{layer_off}/{n}")
                 with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
-                    math = run(pair, prompts, want, name, bs, args, **forced)[0]
+                    math = run(pair, prompts, want, split, bs, args, **forced)[0]
                 log(args.out, f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
     log(args.out, f"# {time.perf_counter() - t0:.0f} s")
 

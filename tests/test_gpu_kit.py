@@ -161,7 +161,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     shape = json.loads((out["fourth"] / "shape_pair.json").read_text())  # both batch sizes, lossless
     assert set(shape) == {"1", "2"} and all(r["equal_to_ar"] and r["best_fixed_k"] == 2 for r in shape.values()), shape
     equal = (out["second"] / "greedy_equality.txt").read_text()  # the real target's rows, transformers' tokens
-    assert re.search(r"^none\s+2\s+2/2\s", equal, re.M), equal
+    assert re.search(r"^none\s+2\s+2/2\s", equal, re.M) and re.search(r"^generator\s+2\s+2/2\s", equal, re.M), equal
     profile = (out["third"] / "round_profile.txt").read_text()
     assert re.search(r"^## plain: \d+\.\d+ ms per round", profile, re.M), profile[:2000]
     assert re.search(r"^## fixed k=2: \d+\.\d+ ms per round", profile, re.M) and "Self CPU" in profile, profile[:2000]

@@ -125,7 +125,7 @@ stage() {
     second)
       wheels; keep; join_target
       step greedy_equality "${KIT_EQUAL_S:-45}" python3 bench/greedy_equality.py --device "$DEVICE" --draft none \
-        ${KIT_EQUAL_ARGS:---batches 8 --methods none} --out "$OUT/greedy_equality.txt"
+        ${KIT_EQUAL_ARGS:---batches 8 --methods none,generator} --out "$OUT/greedy_equality.txt"
       step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-20}"
       step paged_attention "${KIT_PAGED_S:-45}" python3 bench/paged_attention.py --device "$DEVICE" \
         ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --paths gather,engine,engine128 --deadline 28} \

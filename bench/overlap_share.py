@@ -2,14 +2,14 @@
 the read-back's own hook (`Staging.trace`), on any device (a CPU gains nothing from it, but counts the same).
 
     python bench/overlap_share.py [--prompts 64] [--batch 16] [--ks 0,2] [--max-new 32-128]
-                                  [--drafters draft_model,prompt_lookup,confidence] [--ahead-pays]
+                                  [--drafters draft_model,prompt_lookup,aasd,confidence] [--ahead-pays]
 
 A random 2-layer Llama (96 tokens, 64 wide) as target, a noisy copy as draft, greedy; `--prompts` prompts of 10-59
 tokens through a batch of `--batch`, each row's max_new_tokens drawn from the range (mixed ends), then all at the
 range's top (ends together); per drafter and K (0: plain decoding): rounds followed before their read-back / rounds.
-Drafters: a draft model (fixed K), prompt lookup (fixed K; its prompts repeat themselves, so chains are found) and a
-draft model under `confidence` (K: its most). The last two go ahead where drafting ahead pays (a GPU;
-`--ahead-pays` forces it on a CPU, for the counts a GPU gets). A round that is not followed is one where every row
+Drafters: a draft model (fixed K), prompt lookup (fixed K; its prompts repeat themselves, so chains are found), AASD
+(prompt lookup's token trees, 2 alignment siblings) and a draft model under `confidence` (K: its most). All but the
+first go ahead where drafting ahead pays (a GPU; `--ahead-pays` forces it on a CPU, for the counts a GPU gets). A round that is not followed is one where every row
 ends, or one that waits for its read-back.
 """
 
@@ -62,11 +62,14 @@ def main():
     print(f"# {args.prompts} prompts, batch {args.batch}, greedy, tiny random Llama; rounds queued ahead / rounds")
     specs = {"draft_model": lambda k: dict(method="draft_model", draft_length="fixed", num_draft_tokens=k),
              "prompt_lookup": lambda k: dict(method="prompt_lookup", draft_length="fixed", num_draft_tokens=k),
+             "aasd": lambda k: dict(method="prompt_lookup", draft_length="fixed", num_draft_tokens=k,
+                                    prompt_lookup={"alignment_sampling": 2}),
              "confidence": lambda k: dict(method="draft_model", draft_length="confidence", max_draft_tokens=k)}
     runs = [("plain", {"method": "none"}, prompts)] if 0 in ks else []
     for drafter in args.drafters.split(","):
         for k in (k for k in ks if k):
-            runs.append((f"{drafter} k={k}", specs[drafter](k), [p * 2 for p in prompts] if drafter == "prompt_lookup"
+            spec = specs[drafter](k)
+            runs.append((f"{drafter} k={k}", spec, [p * 2 for p in prompts] if spec["method"] == "prompt_lookup"
                          else prompts))
     for label, spec, rows in runs:
         for name, params in ((f"max_new {lo}-{hi}", mixed), (f"max_new {hi}", None)):

@@ -1,11 +1,12 @@
 """How many tensor ops a round dispatches outside the models' forwards, and where: each is a kernel launch on a GPU
 (a few microseconds of host and device time) that a captured step does not absorb. Counted, not timed: the same
 on any machine. A tiny random pair (64 wide, 2,048-token vocabulary, `--layers` layers: what grows with a model's
-depth shows there), greedy, 16-29-token prompts (`trees`: a 9-token phrase repeated, so that prompt lookup finds
-it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there);
+depth shows there), greedy, 16-29-token prompts (`--trees`: a 9-token phrase repeated, so that prompt lookup
+finds it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there);
 the count is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in
-it too: per job, not per round). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K, `trees`:
-prompt lookup's AASD token trees (2 siblings, K=3); each on dense rows and, with `--paged`, a paged cache.
+it too: per job, not per round). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K; `--trees`:
+prompt lookup's chains and AASD token trees (2 siblings; K=3); each on dense rows and, with `--paged`, a paged
+cache. `--ahead-pays`: rounds drafted ahead as on a GPU (prompt lookup's from the device's tokens).
 `--job J`: J times as many prompts as the batch has rows, each row its own max_new_tokens (8-32), so that rows
 end at different rounds and queued ones join, their prefill's tail in a round's forward (an eager forward on a
 GPU too: `joins` counts those rounds, `ops a join` what each dispatches).
@@ -14,7 +15,7 @@ GPU too: `joins` counts those rounds, `ops a join` what each dispatches).
 layer's halves as one call each, as a compiled layer runs them: the ops left between the calls.
 
     python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--job 1] [--halves]
-                              [--top 12] [--out FILE]
+                              [--ahead-pays] [--top 12] [--out FILE]
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter:
     most."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(16, 30, (bs * job,), generator=g).tolist()
-    if name == "trees":
+    if name in ("chains", "trees"):
         phrases = [torch.randint(0, 2048, (9,), generator=g).tolist() for _ in lengths]
         prompts = [(p * 4)[:n] for p, n in zip(phrases, lengths)]
         spec = SpecConfig(method="prompt_lookup", draft_length="fixed", num_draft_tokens=3,
-                          prompt_lookup={"alignment_sampling": 2})
+                          prompt_lookup={"alignment_sampling": 2 if name == "trees" else 0})
     else:
         prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in lengths]
         k = int(name)
@@ -129,14 +130,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="2,8,16")
     ap.add_argument("--ks", default="0,2", help="fixed draft lengths (0: autoregressive)")
-    ap.add_argument("--trees", action="store_true", help="also prompt lookup's AASD token trees")
+    ap.add_argument("--trees", action="store_true", help="also prompt lookup's chains and AASD token trees")
     ap.add_argument("--paged", action="store_true", help="each case also over a paged KV cache")
     ap.add_argument("--layers", type=int, default=2, help="the pair's decoder layers")
     ap.add_argument("--job", type=int, default=1, help="prompts per row of the batch (> 1: rows join as others end)")
     ap.add_argument("--halves", action="store_true", help="first, a joining forward's ops between the layer's halves")
+    ap.add_argument("--ahead-pays", action="store_true", help="draft ahead at a cost, as on a GPU (prompt lookup's "
+                    "chains and trees built on the device while a round is in flight)")
     ap.add_argument("--top", type=int, default=12, help="functions listed per case")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ahead_pays:
+        from specdec.spec.proposers.base import Proposer
+        Proposer.ahead_pays = property(lambda self: True)
     torch.manual_seed(0)
     target = tiny_llama(vocab=2048, layers=args.layers, seed=3)
     draft = noisy_copy(target, 0.02)
@@ -160,7 +166,7 @@ def main():
     if args.halves:
         lines.insert(0, halves(target, counter))
     print("\n".join(lines), flush=True)
-    names = [str(int(k)) for k in args.ks.split(",")] + (["trees"] if args.trees else [])
+    names = [str(int(k)) for k in args.ks.split(",")] + (["chains", "trees"] if args.trees else [])
     try:
         for name in names:
             for kv_cache in ("dense", "paged") if args.paged else ("dense",):

@@ -155,6 +155,79 @@ def test_chains_found_on_the_device_are_the_hosts(target, min_ngram, vocab):
     s.in_flight = 0
 
 
+@pytest.mark.parametrize("vocab", [2, 5])
+def test_trees_built_on_the_device_are_the_hosts(target, vocab):
+    """AASD's token trees built from the device's tokens (`device_trees`, for a round queued ahead) are those its
+    host pools draft (`_row`): random rows of few distinct tokens (every start's continuation meets others'),
+    host lengths lagging the device's, random limits, room, top ids (some rows without), 1 to 3 siblings: the same
+    nodes in the same order, with the same parents, depths and relaxed flags."""
+    from specdec.plan.policies import FixedLength
+
+    n, max_len, most = 6, 80, 3
+    spec = SpecConfig(method="prompt_lookup", prompt_lookup={"max_ngram": 3, "alignment_sampling": most})
+    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=8), spec, batch_size=n)
+    b = eng.new_batch(n, max_len, FixedLength(eng.spec), prefixes=False)
+    p, s = b.proposer, b.slots
+    rng = np.random.default_rng(vocab)
+    branched = aligned = 0
+    for trial in range(30):
+        s.in_flight = int(rng.integers(0, 4))
+        lens = rng.integers(1, max_len - s.in_flight, n)
+        lag = np.minimum(rng.integers(0, s.in_flight + 1, n), lens - 1)
+        s.lens[:n], s.prompt_lens[:n] = lens - lag, rng.integers(1, lens + 1)
+        for i in range(n):
+            s.history[i] = rng.integers(0, vocab, lens[i]).tolist()
+            s.seq[i, : lens[i]] = torch.tensor(s.history[i])
+        s.lens_dev[:n] = torch.tensor(lens)
+        s.ends_dev[:n] = torch.tensor(lens + rng.integers(0, 7, n))
+        top = rng.integers(0, vocab + 1, (n, int(rng.integers(1, max_len)), most + 1))
+        p.admit(0, n, None if trial % 4 == 0 else top)
+        limits = rng.integers(0, 7, n)
+        room = np.maximum(s.ends_dev[:n].cpu().numpy() - lens - 1, 0)
+        for sib in range(1, most + 1):
+            got = p.device_trees(n, limits, sib)
+            for i in range(n):
+                want = p._row(i, int(min(limits[i], room[i])), sib)
+                m = int(got.lengths[i])
+                nodes = [got.tokens[i, :m].tolist(), got.tree.parent[i, :m].tolist(), got.tree.depth[i, :m].tolist(),
+                         got.relaxed[i, :m].tolist()]
+                assert nodes == [list(x) for x in want], (trial, sib, i)
+                branched += max(want[2], default=0) < m
+                own, p.top_ids[i] = p.top_ids[i], None
+                aligned += len(p._row(i, int(min(limits[i], room[i])), sib)[0]) < m  # siblings from the top ids
+                p.top_ids[i] = own
+    assert branched > 100 and aligned > 30, (branched, aligned)  # trees, not chains; alignment siblings
+    s.in_flight = 0
+
+
+@pytest.mark.parametrize("kv_cache, rule, pays", [
+    ("dense", {}, True),
+    ("paged", {"verification": "conditional", "conditional": {"alpha": 0.1, "beta": 0.5}}, True),
+    ("dense", {"verification": "conditional", "conditional": {"alpha": 0.1, "beta": 0.5}}, False),
+])
+def test_token_trees_go_ahead_and_keep_their_tokens(target, prompts, kv_cache, rule, pays, monkeypatch):
+    """AASD (2 alignment siblings, depth 3; lossless, and conditional verification) over prompts that repeat a
+    phrase, through a batch of 3 with stop tokens: every row's tokens, finish reason, rounds and acceptance are those
+    of rounds that wait for each other. On a GPU's terms (`ahead_pays`) its token trees are built on the device
+    while the round before is in flight (`device_trees`) and rounds are followed before they are read back; on a
+    CPU's, rows leave and join with a tree in flight, and no drafting round goes ahead."""
+    pay_ahead(monkeypatch, pays)
+    phrase = [7, 61, 22, 40, 13, 88, 5, 31, 70]
+    texts = [p[:6] + phrase * 3 + p[6:] for p in prompts]
+    runs = {}
+    for overlap in (True, False):
+        eng, events = traced(target, None, overlap, bs=3, stop=(23, 58), kv_cache=kv_cache, method="prompt_lookup",
+                             draft_length="fixed", num_draft_tokens=3, prompt_lookup={"alignment_sampling": 2},
+                             **rule)
+        out = eng.generate(texts)
+        runs[overlap] = results(out), *ahead(events)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0
+    followed, rounds = runs[True][1:]
+    assert followed >= rounds - 2 if pays else followed == 0, (followed, rounds)
+    assert max(d for r in out for d in r.draft_lengths) > 3 and sum(r.accepted_tokens for r in out) > 0
+
+
 def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):
     """`Rounds.finish_plain` (rows without stop strings, own stop ids, logprobs or formats, finished over the
     read-back at once) gives every row the tokens, finish reason and statistics `Rounds.finish` gives it row by row:

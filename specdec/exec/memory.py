@@ -46,6 +46,8 @@ STREAM_WORKSPACE = 64 << 20  # cuBLAS and cuBLASLt workspaces torch keeps per st
 TOP_CHUNK = 1 << 26  # the prefill's top ids take logits this many at a time (specdec/exec/runner.py)
 ROUND_FLOATS = 12  # float32 [rows, width, vocab] a round holds at once: sampling (its sort's int64 order
 # counts two), verification, the draft's distributions
+TREE_BYTES = 128  # AASD's token trees built on the device, per row, slot and level of depth: a dozen int64 tensors
+# over every start's continuation (specdec/spec/proposers/prompt_lookup.py `device_trees`)
 
 
 def kv_bytes_per_token(models) -> int:
@@ -218,7 +220,8 @@ class MemoryPlan:
         whose prompts have up to `prompt` tokens; paged ones (`pool` slots, and a block table per row of `max_len`
         slots) hold `pool` slots instead of the rows'."""
         slots = rows * max_len if pool is None else pool
-        kv = slots * sum(r.shape.kv_per_token for r in self.roles) + 8 * batch * row_len
+        # and each row's tokens (int64), and with AASD its prompt's top ids (int32) on the device
+        kv = slots * sum(r.shape.kv_per_token for r in self.roles) + (8 + 4 * self.prompt_top_ids) * batch * row_len
         if pool is not None:
             kv += len(self.roles) * 8 * rows * blocks_for(max_len, self.block)
         graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
@@ -230,7 +233,8 @@ class MemoryPlan:
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
         round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \
-            + ROUND_FLOATS * 4 * step_rows * self.width * vocab
+            + ROUND_FLOATS * 4 * step_rows * self.width * vocab \
+            + (TREE_BYTES * batch * row_len * (self.width - 1) if self.prompt_top_ids else 0)
         # rows join by a prefill: a whole batch at first, apart; later within a round's forward, which takes a chunk
         # of joining rows beside the others (one joining row is the most: each row more is a row less in the step,
         # whose rows cost more than a joining row's attention)

@@ -86,6 +86,7 @@ class Readback:
     target_non_finite: np.ndarray  # [n] the target's logits held NaN or inf
     tokens: np.ndarray  # [n, w] x_1..x_a, y (stale past a + 1)
     draft_non_finite: np.ndarray | None = None  # [n] the draft's logits held NaN or inf (None: no draft model)
+    depth: np.ndarray | None = None  # [n] a token tree's depth per row (None: chains, whose depth is `drafted`)
     logprobs: np.ndarray | None = None  # [n, w] of each token where it was drawn (rows asked for them)
     top_ids: np.ndarray | None = None  # [n, w, K] the most likely tokens there
     top_logprobs: np.ndarray | None = None  # [n, w, K] their logprobs
@@ -126,7 +127,6 @@ class Verifying:
     layout: list  # the read-back's (`Readback.unpack`)
     growth: int  # the most tokens a row gains in it (the draft's depth, and one)
     forwards: int  # the draft's forwards (0: no row drafted)
-    chain: bool  # chains (or nothing) were verified, not a token tree
     host_s: float  # host seconds it took to queue
     timed: bool  # its time is a sample of its width's cost (no rows joined in its forward)
     # where rows left while it was in flight (`Rounds.retire_finished`): the slot it ran each row of [0, len) now in
@@ -139,7 +139,6 @@ class Launched:
 
     verifying: Verifying
     forwards: int  # the draft's forwards
-    host_depth: np.ndarray | None  # a token tree's depth per row (the draft's)
     timed: bool  # its time is a sample of its draft length's cost
     host_s: float  # host seconds it took to queue
 
@@ -202,9 +201,9 @@ class Rounds:
             flight = launched
 
     def may_move(self, flight: Launched) -> bool:
-        """Whether rows may leave and join while `flight` is in flight: it verified chains, and no output format
-        (read from the host's rows) waits for its results."""
-        return self.context.overlap and flight.verifying.chain and self.batch.constraints is None
+        """Whether rows may leave and join while `flight` is in flight: no output format (read from the host's rows)
+        waits for its results."""
+        return self.context.overlap and self.batch.constraints is None
 
     def may_go_ahead(self, flight: Launched) -> bool:
         """Whether the next round may be queued before `flight` is read back: the rows' lengths and the draft's
@@ -354,7 +353,7 @@ class Rounds:
         width = widths.choose(n, k + 1) if widths else k + 1
         verifying = self.queue_verify(n, draft, width, rows, draws, joining, flight)
         # a round that ends rows' prefills costs more than its drafts and width
-        return Launched(verifying, draft.forwards, draft.host_depth, joining is None and not trial, clock() - t0)
+        return Launched(verifying, draft.forwards, joining is None and not trial, clock() - t0)
 
     def land(self, launched: Launched) -> None:
         """Read a launched round's results back and hand each row its tokens; rows that finish leave before the
@@ -373,9 +372,7 @@ class Rounds:
         finished = np.zeros(n, dtype=bool)
         finished[self.leaving] = True
         seconds = self.seconds(launched.host_s + clock() - t0, v.flight) if launched.timed else None
-        # (a token tree's depths: rows never move while a tree is in flight, `may_move`)
-        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, launched.host_depth,
-                                        v.width))
+        self.policy.observe(RoundResult(n, out.drafted, out.accepted, finished, seconds, out.depth, v.width))
         if self.on_round is not None:
             self.on_round(emitted)
 
@@ -456,10 +453,9 @@ class Rounds:
         logprobs = self.logprobs(logits, rows, tokens, verdict.path) if self.top_logprobs is not None else {}
         packed, layout = Readback.pack(accepted=verdict.accepted, drafted=draft.lengths,
                                        target_non_finite=~finite.all(1), draft_non_finite=draft.non_finite,
-                                       tokens=tokens, **logprobs)
+                                       depth=draft.row_depths(), tokens=tokens, **logprobs)
         flight.send(packed)
-        return Verifying(n, width, flight, layout, draft.depth + 1, draft.forwards, draft.tree is None, clock() - t0,
-                         joining is None)
+        return Verifying(n, width, flight, layout, draft.depth + 1, draft.forwards, clock() - t0, joining is None)
 
     def landed(self, v: Verifying) -> Readback:
         """A queued verification's results, once the device has sent them: the host counts what rows accepted (rounds

@@ -34,12 +34,18 @@ class Draft:
     raw_q: torch.Tensor | None = None  # [n, T, vocab]
     host_tokens: np.ndarray | None = None  # [n, T] `tokens` on the host, where the proposer has them
     allowed: torch.Tensor | None = None  # [n, T+1, vocab] bool: the output formats' masks (specdec/spec/grammar.py)
-    host_depth: np.ndarray | None = None  # [n] host: each row's depth (None: chains, whose depth is `lengths`)
 
     @property
     def depth(self) -> int:
         """Host: how many tokens a row can accept this round (a chain's K, a tree's depth)."""
         return self.tree.max_depth if self.tree is not None else self.tokens.shape[1]
+
+    def row_depths(self) -> torch.Tensor | None:
+        """[n] a token tree's depth per row, on the device (None: chains, whose depth is `lengths`)."""
+        if self.tree is None:
+            return None
+        valid = torch.arange(self.tokens.shape[1], device=self.tokens.device) < self.lengths[:, None]
+        return torch.where(valid, self.tree.depth, 0).amax(1)
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":

@@ -119,35 +119,46 @@ def test_overlap_changes_no_token(target, drafts, prompts, method, spec, kv_cach
             assert sum(r.accepted_tokens for r in out) > 0
 
 
+def lookup_rows(target, n: int, max_len: int, **lookup):
+    """A prompt lookup proposer over a batch of n rows of up to max_len tokens, and its slots."""
+    from specdec.plan.policies import FixedLength
+
+    spec = SpecConfig(method="prompt_lookup", prompt_lookup=lookup)
+    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=8), spec, batch_size=n)
+    b = eng.new_batch(n, max_len, FixedLength(eng.spec), prefixes=False)
+    return b.proposer, b.slots
+
+
+def random_rows(s, rng, n: int, max_len: int, vocab: int, room: int) -> np.ndarray:
+    """Rows [0, n) of random tokens out of `vocab`, whose host lengths lag the device's by up to a random round in
+    flight's bound, with random prompt lengths and up to `room` tokens of room before max_new_tokens; returns each
+    row's room (the device's)."""
+    s.in_flight = int(rng.integers(0, 4))
+    lens = rng.integers(1, max_len - s.in_flight, n)
+    lag = np.minimum(rng.integers(0, s.in_flight + 1, n), lens - 1)
+    s.lens[:n], s.prompt_lens[:n] = lens - lag, rng.integers(1, lens + 1)
+    for i in range(n):
+        s.history[i] = rng.integers(0, vocab, lens[i]).tolist()
+        s.seq[i, : lens[i]] = torch.tensor(s.history[i])
+    s.lens_dev[:n] = torch.tensor(lens)
+    s.ends_dev[:n] = torch.tensor(lens + rng.integers(0, room + 1, n))
+    return np.maximum(s.ends_dev[:n].cpu().numpy() - lens - 1, 0)
+
+
 @pytest.mark.parametrize("min_ngram, vocab", [(1, 3), (2, 12)])
 def test_chains_found_on_the_device_are_the_hosts(target, min_ngram, vocab):
     """Prompt lookup's chains found in the device's tokens (`device_chains`, for a round queued ahead) are those
     its host pools draft (`_row`, no siblings): random rows of few distinct tokens (n-grams recur everywhere), short
     and long, whose host lengths lag the device's by up to the round in flight's bound, random limits and room
     before max_new_tokens; the same tokens, lengths and prompt flags."""
-    from specdec.plan.policies import FixedLength
-
     n, max_len = 6, 96
-    spec = SpecConfig(method="prompt_lookup", prompt_lookup={"max_ngram": 4, "min_ngram": min_ngram})
-    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=8), spec, batch_size=n)
-    policy = FixedLength(eng.spec)
-    b = eng.new_batch(n, max_len, policy, prefixes=False)
-    p, s = b.proposer, b.slots
+    p, s = lookup_rows(target, n, max_len, max_ngram=4, min_ngram=min_ngram)
     rng = np.random.default_rng(min_ngram)
     for _ in range(40):
-        s.in_flight = int(rng.integers(0, 4))
-        lens = rng.integers(1, max_len - s.in_flight, n)
-        lag = np.minimum(rng.integers(0, s.in_flight + 1, n), lens - 1)
-        s.lens[:n], s.prompt_lens[:n] = lens - lag, rng.integers(1, lens + 1)
-        for i in range(n):
-            s.history[i] = rng.integers(0, vocab, lens[i]).tolist()
-            s.seq[i, : lens[i]] = torch.tensor(s.history[i])
-        s.lens_dev[:n] = torch.tensor(lens)
-        s.ends_dev[:n] = torch.tensor(lens + rng.integers(0, 5, n))
+        room = random_rows(s, rng, n, max_len, vocab, 4)
         p.admit(0, n)
         limits = rng.integers(0, 6, n)
         got = p.device_chains(n, limits)
-        room = np.maximum(s.ends_dev[:n].cpu().numpy() - lens - 1, 0)
         for i in range(n):
             toks, _, _, relaxed = p._row(i, int(min(limits[i], room[i])), 0)
             m = int(got.lengths[i])
@@ -161,29 +172,15 @@ def test_trees_built_on_the_device_are_the_hosts(target, vocab):
     host pools draft (`_row`): random rows of few distinct tokens (every start's continuation meets others'),
     host lengths lagging the device's, random limits, room, top ids (some rows without), 1 to 3 siblings: the same
     nodes in the same order, with the same parents, depths and relaxed flags."""
-    from specdec.plan.policies import FixedLength
-
     n, max_len, most = 6, 80, 3
-    spec = SpecConfig(method="prompt_lookup", prompt_lookup={"max_ngram": 3, "alignment_sampling": most})
-    eng = SpecEngine(pair(target), SamplingParams(max_new_tokens=8), spec, batch_size=n)
-    b = eng.new_batch(n, max_len, FixedLength(eng.spec), prefixes=False)
-    p, s = b.proposer, b.slots
+    p, s = lookup_rows(target, n, max_len, max_ngram=3, alignment_sampling=most)
     rng = np.random.default_rng(vocab)
     branched = aligned = 0
     for trial in range(30):
-        s.in_flight = int(rng.integers(0, 4))
-        lens = rng.integers(1, max_len - s.in_flight, n)
-        lag = np.minimum(rng.integers(0, s.in_flight + 1, n), lens - 1)
-        s.lens[:n], s.prompt_lens[:n] = lens - lag, rng.integers(1, lens + 1)
-        for i in range(n):
-            s.history[i] = rng.integers(0, vocab, lens[i]).tolist()
-            s.seq[i, : lens[i]] = torch.tensor(s.history[i])
-        s.lens_dev[:n] = torch.tensor(lens)
-        s.ends_dev[:n] = torch.tensor(lens + rng.integers(0, 7, n))
+        room = random_rows(s, rng, n, max_len, vocab, 6)
         top = rng.integers(0, vocab + 1, (n, int(rng.integers(1, max_len)), most + 1))
         p.admit(0, n, None if trial % 4 == 0 else top)
         limits = rng.integers(0, 7, n)
-        room = np.maximum(s.ends_dev[:n].cpu().numpy() - lens - 1, 0)
         for sib in range(1, most + 1):
             got = p.device_trees(n, limits, sib)
             for i in range(n):

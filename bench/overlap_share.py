@@ -29,14 +29,14 @@ from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 
 
-def followed(eng: SpecEngine, prompts, params) -> tuple[int, int]:
-    """(rounds whose successor was queued before the host waited for them, rounds) of one generate()."""
+def followed(eng: SpecEngine, prompts, params) -> tuple[int, int, list]:
+    """(rounds whose successor was queued before the host waited for them, rounds, the results) of one generate()."""
     events = []
     eng.context.staging.trace = lambda event, r: events.append((event, r))
-    eng.generate(prompts, params=params)
+    out = eng.generate(prompts, params=params)
     at = {e: i for i, e in enumerate(events)}
     rounds = sorted(r for e, r in events if e == "wait")
-    return sum(at.get(("launch", r + 1), len(events)) < at[("wait", r)] for r in rounds), len(rounds)
+    return sum(at.get(("launch", r + 1), len(events)) < at[("wait", r)] for r in rounds), len(rounds), out
 
 
 def main():
@@ -76,7 +76,7 @@ def main():
             drafts = spec["method"] == "draft_model"
             eng = SpecEngine(pair(target, draft if drafts else None), SamplingParams(max_new_tokens=hi),
                              SpecConfig(**spec), batch_size=args.batch)
-            ahead, rounds = followed(eng, rows, params)
+            ahead, rounds, _ = followed(eng, rows, params)
             print(f"{label:22s} {name:14s} {ahead:4d} / {rounds:4d} = {ahead / rounds:.2f}", flush=True)
 
 

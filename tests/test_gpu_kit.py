@@ -99,7 +99,8 @@ def test_the_calls_fit_the_lease():
     # the optional joins call (no model part), within its limit
     (joins,) = re.findall(r'run\(carry=\["\.carry/whl"\], command="bash bench/gpu/run\.sh joins", timeout_s=(\d+)\)',
                           readme)
-    assert setup + int(re.search(r"\$\{KIT_JOINS_S:-(\d+)\}", run_sh).group(1)) <= int(joins), joins
+    assert setup + default["KIT_JOINS_S"] + setup + default["KIT_LOOKUP_S"] <= int(joins), joins
+    assert 30 + sum(limits.values()) + int(joins) + 3 * 10 <= 14 * 60, joins
 
 
 def wheel_requirements(path: str) -> set[str]:
@@ -143,6 +144,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     joins = (out["joins"] / "step_speed.txt").read_text()  # rows that join a running batch, and rows that do not
     assert all(re.search(rf"^tiny\s+{path}\s+2\s+\d+\.\d", joins, re.M)
                for path in ("fast", "fast-joins", "fast-joins-eager")), joins
+    lookup = (out["joins"] / "lookup_ahead.txt").read_text()  # the real target's trees, ahead and waiting: same tokens
+    assert re.search(r"^\s+2 trees:k=2:s=1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+\s+\d\.\d+ True$", lookup, re.M), lookup
     for name in ("test_greedy_batches", "test_overlap", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]

@@ -15,7 +15,9 @@
 #           Llama-1B shapes, random weights, acceptance alpha = 0.8 by construction (bench/shape_pair.py):
 #           autoregressive, defaults, fixed K
 #   joins   (when the lease has the time) the SmolLM2 shape's step speed over a job as jobs run, rows ending at
-#           different rounds and queued ones joining in a round's forward, against rows that join and end together
+#           different rounds and queued ones joining in a round's forward, against rows that join and end together;
+#           then, where the machine stayed warm, prompt lookup's chains and AASD trees drafted ahead against waiting
+#           (bench/lookup_ahead.py, the real target)
 # Each stage is self-contained: it installs the carried wheels (.carry/whl, what the image lacks) and keeps
 # its model part (.carry/pN) for the calls after it. Its whole log goes to $OUT/STAGE.log, each test file's to
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
@@ -24,7 +26,7 @@
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
 # KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
 # KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, KIT_PREFIX_S, KIT_JOINS_S,
-# KIT_JOINS_BATCH, and KIT_VIEW (a
+# KIT_JOINS_BATCH, KIT_LOOKUP_S, KIT_LOOKUP_ARGS, and KIT_VIEW (a
 # folder put first on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -155,7 +157,15 @@ stage() {
       step step_speed_joins "${KIT_JOINS_S:-75}" python3 bench/step_speed.py --device "$DEVICE" \
         --shapes "${KIT_SMALL:-smollm2}" --paths fast,fast-joins,fast-joins-eager \
         --batches "${KIT_JOINS_BATCH:-32}" --hf "" \
-        --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --out "$OUT/step_speed.txt" ;;
+        --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --out "$OUT/step_speed.txt"
+      if [ -f "$PARTS/part-1" ]; then  # the machine stayed warm: the real target, lookups drafted ahead or waiting
+        join_target
+        step lookup_ahead "${KIT_LOOKUP_S:-70}" python3 bench/lookup_ahead.py --device "$DEVICE" \
+          --out "$OUT/lookup_ahead.txt" ${KIT_LOOKUP_ARGS:---batches 8,32 --settings trees:k=4:s=2,chains:k=4 --n 16 \
+          --max-new 48 --repeats 1 --dtype float32 --capture-budget 3}
+      else
+        echo "# lookup_ahead: no model parts here (the machine went cold): skipped"
+      fi ;;
   esac
   echo "# stage $STAGE: ${FAILED:-every step exited 0}"
   [ -z "$FAILED" ]

@@ -229,6 +229,7 @@ class SpecEngine:
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
+                                 tree_width=self.spec.max_nodes + 1 if self.method.siblings(self.spec) else 0,
                                  additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
                                  paged=self.kv_cache == "paged",
                                  flex=self.kv_cache == "paged" and self.paged_attention == "flex", block=self.kv_block)

@@ -171,6 +171,8 @@ GRID = [  # method, batch size, prompt lengths, max_new_tokens, max_draft_tokens
     ("draft_model", 1, [400], 40, 3, {}),
     ("none", 3, [200, 5, 40], 30, 4, {}),
     ("prompt_lookup", 4, [60, 20, 90], 20, 4, {"prompt_lookup": {"alignment_sampling": 2}}),
+    # AASD's trees built on the device while a round is in flight, as on a GPU (`Proposer.ahead_pays`)
+    ("prompt_lookup", 4, [60, 20, 90], 20, 4, {"prompt_lookup": {"alignment_sampling": 2}, "ahead": True}),
     ("prompt_lookup", 6, [40] * 7, 64, 2, {}),
     ("none", 3, [400, 350, 40], 16, 4, {"prefill_chunk": 128}),  # the prefill in forwards of 3 rows x 42 tokens
     ("prompt_lookup", 4, [300, 20, 250], 8, 4, {"prefill_chunk": 100, "prompt_lookup": {"alignment_sampling": 2}}),
@@ -180,11 +182,15 @@ GRID = [  # method, batch size, prompt lengths, max_new_tokens, max_draft_tokens
 
 
 @pytest.mark.parametrize("method,bs,lengths,max_new,m,extra", GRID)
-def test_the_plan_covers_what_a_run_allocates(models, kept_graphs, method, bs, lengths, max_new, m, extra):
+def test_the_plan_covers_what_a_run_allocates(models, kept_graphs, method, bs, lengths, max_new, m, extra,
+                                              monkeypatch):
     """Planned >= allocated, and not more than 2.5x: a run, then one step of every key the plan allows for (what a
     long job ends up holding), then the run again. The caches are the length the plan counted (rounded up), the
     runners capture exactly the keys it counted, and steps wider than its width run eagerly."""
-    eng = make_engine(models, method, bs, max_new, m, **extra)
+    if extra.get("ahead"):
+        from specdec.spec.proposers.base import Proposer
+        monkeypatch.setattr(Proposer, "ahead_pays", property(lambda self: True))
+    eng = make_engine(models, method, bs, max_new, m, **{k: v for k, v in extra.items() if k != "ahead"})
     prompts = prompts_of(lengths)
     with Peak() as peak:
         first = [r.token_ids for r in eng.generate(prompts)]

@@ -202,6 +202,7 @@ class MemoryPlan:
     width: int  # the widest captured step
     kv_bucket: int  # the smallest attention window of a captured step (ModelRunner.min_kv_bucket)
     prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
+    tree_width: int = 0  # tokens a token tree's verification takes per row (AASD: its node budget and the root; 0: none)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads
@@ -232,9 +233,10 @@ class MemoryPlan:
                 graphs += FLEX_MASK_BYTES * rows * (pool // self.block)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        round_ = self._forward(self.roles[0], step_rows, self.width, max_len, "all") \
-            + ROUND_FLOATS * 4 * step_rows * self.width * vocab \
-            + (TREE_BYTES * batch * row_len * (self.width - 1) if self.prompt_top_ids else 0)
+        verify = max(self.width, self.tree_width)  # a round's widest verification: a chain's, or a tree's (eager)
+        round_ = self._forward(self.roles[0], step_rows, verify, max_len, "all") \
+            + ROUND_FLOATS * 4 * step_rows * verify * vocab \
+            + (TREE_BYTES * batch * row_len * (self.width - 1) if self.tree_width else 0)
         # rows join by a prefill: a whole batch at first, apart; later within a round's forward, which takes a chunk
         # of joining rows beside the others (one joining row is the most: each row more is a row less in the step,
         # whose rows cost more than a joining row's attention)

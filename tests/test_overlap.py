@@ -200,29 +200,33 @@ def test_trees_built_on_the_device_are_the_hosts(target, vocab):
 @pytest.mark.parametrize("kv_cache, rule, pays", [
     ("dense", {}, True),
     ("paged", {"verification": "conditional", "conditional": {"alpha": 0.1, "beta": 0.5}}, True),
+    ("dense", {"sampling": "coupled"}, True),
     ("dense", {"verification": "conditional", "conditional": {"alpha": 0.1, "beta": 0.5}}, False),
 ])
 def test_token_trees_go_ahead_and_keep_their_tokens(target, prompts, kv_cache, rule, pays, monkeypatch):
-    """AASD (2 alignment siblings, depth 3; lossless, and conditional verification) over prompts that repeat a
-    phrase, through a batch of 3 with stop tokens: every row's tokens, finish reason, rounds and acceptance are those
-    of rounds that wait for each other. On a GPU's terms (`ahead_pays`) its token trees are built on the device
+    """AASD (2 alignment siblings, depth 3; lossless, coupled, and conditional verification) over prompts that repeat
+    a phrase, through a batch of 3 with stop tokens, greedy and sampled: every row's tokens, finish reason, rounds and
+    acceptance are those of rounds that wait for each other. On a GPU's terms (`ahead_pays`) its token trees are built on the device
     while the round before is in flight (`device_trees`) and rounds are followed before they are read back; on a
     CPU's, rows leave and join with a tree in flight, and no drafting round goes ahead."""
     pay_ahead(monkeypatch, pays)
     phrase = [7, 61, 22, 40, 13, 88, 5, 31, 70]
     texts = [p[:6] + phrase * 3 + p[6:] for p in prompts]
-    runs = {}
-    for overlap in (True, False):
-        eng, events = traced(target, None, overlap, bs=3, stop=(23, 58), kv_cache=kv_cache, method="prompt_lookup",
-                             draft_length="fixed", num_draft_tokens=3, prompt_lookup={"alignment_sampling": 2},
-                             **rule)
-        out = eng.generate(texts)
-        runs[overlap] = results(out), *ahead(events)
-    assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0
-    followed, rounds = runs[True][1:]
-    assert followed >= rounds - 2 if pays else followed == 0, (followed, rounds)
-    assert max(d for r in out for d in r.draft_lengths) > 3 and sum(r.accepted_tokens for r in out) > 0
+    for sp in (SamplingParams(max_new_tokens=MAX_NEW), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8,
+                                                                      seed=5)):
+        runs = {}
+        for overlap in (True, False):
+            eng, events = traced(target, None, overlap, bs=3, stop=(23, 58), kv_cache=kv_cache,
+                                 method="prompt_lookup", draft_length="fixed", num_draft_tokens=3,
+                                 prompt_lookup={"alignment_sampling": 2}, **rule)
+            eng.sampling = sp
+            out = eng.generate(texts)
+            runs[overlap] = results(out), *ahead(events)
+        assert runs[True][0] == runs[False][0]
+        assert runs[False][1] == 0
+        followed, rounds = runs[True][1:]
+        assert followed >= rounds - 2 if pays else followed == 0, (followed, rounds)
+        assert max(d for r in out for d in r.draft_lengths) > 3 and sum(r.accepted_tokens for r in out) > 0
 
 
 def test_rows_finished_by_arrays_equal_rows_finished_one_by_one(target):

@@ -161,8 +161,8 @@ stage() {
       if [ -f "$PARTS/part-1" ]; then  # the machine stayed warm: the real target, lookups drafted ahead or waiting
         join_target
         step lookup_ahead "${KIT_LOOKUP_S:-70}" python3 bench/lookup_ahead.py --device "$DEVICE" \
-          --out "$OUT/lookup_ahead.txt" ${KIT_LOOKUP_ARGS:---batches 8,32 --settings trees:k=4:s=2,chains:k=4 --n 16 \
-          --max-new 48 --repeats 1 --dtype float32 --capture-budget 3}
+          --out "$OUT/lookup_ahead.txt" ${KIT_LOOKUP_ARGS:---batches 1,16 --settings trees:k=4:s=2,chains:k=4 --n 16 \
+          --max-new 32 --repeats 1 --dtype float32 --capture-budget 3}
       else
         echo "# lookup_ahead: no model parts here (the machine went cold): skipped"
       fi ;;

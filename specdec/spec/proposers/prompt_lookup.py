@@ -269,7 +269,7 @@ class PromptLookupProposer(Proposer):
             return [tok.flatten(1).gather(1, i), up_number.gather(1, i), i % k + 1, src < plen, src]
 
         nodes.put(made.flatten(1), number.flatten(1), fields)
-        if self.top_dev is not None:
+        if self.top_dev is not None and any(self.top_ids[i] is not None for i in range(n)):
             self.align(n, nodes, s, budget)
         return nodes.draft(k)
 

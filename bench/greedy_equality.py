@@ -75,7 +75,7 @@ def hf_batched(pair, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 def generated(pair, prompts, method: str, bs: int, args, **engine) -> tuple[list[list[int]], SpecEngine]:
     """Each prompt's new tokens, and the engine that made them: a `SpecEngine` over the loaded pair, or for
     `generator` the Python API's `Generator` (the user's door, where the defect was seen: it loads the target
-    itself and runs a job worker's row pipeline over chat messages; `none`, the engine settings left as it sets them)."""
+    itself and runs a job worker's row pipeline over chat messages; `none`, the engine's settings as it sets them)."""
     if method == "generator":
         gen = Generator(models={"target": {"path": args.target, "gguf_file": args.target_gguf or None,
                                            "dtype": args.dtype}},

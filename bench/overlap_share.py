@@ -9,8 +9,8 @@ tokens through a batch of `--batch`, each row's max_new_tokens drawn from the ra
 range's top (ends together); per drafter and K (0: plain decoding): rounds followed before their read-back / rounds.
 Drafters: a draft model (fixed K), prompt lookup (fixed K; its prompts repeat themselves, so chains are found), AASD
 (prompt lookup's token trees, 2 alignment siblings) and a draft model under `confidence` (K: its most). All but the
-first go ahead where drafting ahead pays (a GPU; `--ahead-pays` forces it on a CPU, for the counts a GPU gets). A round that is not followed is one where every row
-ends, or one that waits for its read-back.
+first go ahead where drafting ahead pays (a GPU; `--ahead-pays` forces it on a CPU, for the counts a GPU gets). A
+round that is not followed is one where every row ends, or one that waits for its read-back.
 """
 
 from __future__ import annotations

@@ -206,9 +206,9 @@ def test_trees_built_on_the_device_are_the_hosts(target, vocab):
 def test_token_trees_go_ahead_and_keep_their_tokens(target, prompts, kv_cache, rule, pays, monkeypatch):
     """AASD (2 alignment siblings, depth 3; lossless, coupled, and conditional verification) over prompts that repeat
     a phrase, through a batch of 3 with stop tokens, greedy and sampled: every row's tokens, finish reason, rounds and
-    acceptance are those of rounds that wait for each other. On a GPU's terms (`ahead_pays`) its token trees are built on the device
-    while the round before is in flight (`device_trees`) and rounds are followed before they are read back; on a
-    CPU's, rows leave and join with a tree in flight, and no drafting round goes ahead."""
+    acceptance are those of rounds that wait for each other. On a GPU's terms (`ahead_pays`) its token trees are
+    built on the device while the round before is in flight (`device_trees`) and rounds are followed before they are
+    read back; on a CPU's, rows leave and join with a tree in flight, and no drafting round goes ahead."""
     pay_ahead(monkeypatch, pays)
     phrase = [7, 61, 22, 40, 13, 88, 5, 31, 70]
     texts = [p[:6] + phrase * 3 + p[6:] for p in prompts]

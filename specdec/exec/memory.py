@@ -202,7 +202,7 @@ class MemoryPlan:
     width: int  # the widest captured step
     kv_bucket: int  # the smallest attention window of a captured step (ModelRunner.min_kv_bucket)
     prompt_top_ids: int = 0  # the most likely ids the target's prefill computes at every prompt position (AASD)
-    tree_width: int = 0  # tokens a token tree's verification takes per row (AASD: its node budget and the root; 0: none)
+    tree_width: int = 0  # tokens a token tree's verification takes per row (AASD: its node budget and root; 0: none)
     additive_mask: bool = True  # attention copies the boolean mask to an additive one (CUDA's SDPA; not CPU's)
     prefill_chunk: int | None = None  # most tokens (rows x tokens) one prefill forward takes (None: all)
     paged: bool = False  # the caches are paged (specdec/exec/cache.py): attention gathers what it reads

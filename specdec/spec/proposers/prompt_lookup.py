@@ -259,10 +259,10 @@ class PromptLookupProposer(Proposer):
         number = made.flip(1).flatten(1).cumsum(1).view(n, w, k).flip(1)  # 1.. in that order
         budget = room * (1 + s)
         made &= number <= budget[:, None, None]
-        up_number = number[:, :, :-1].gather(1, creator[:, :, :-1])  # the parent's number (depth 1's: the root)
-        nodes = _Nodes(n, t, dev)
-        up_number = F.pad(up_number, (1, 0)).flatten(1)
+        # each node's parent's number (depth 1's: the root, 0)
+        up_number = F.pad(number[:, :, :-1].gather(1, creator[:, :, :-1]), (1, 0)).flatten(1)
         plen = self.prompt_lens_dev[:n, None]
+        nodes = _Nodes(n, t, dev)
 
         def fields(i):  # start i // k, depth i % k + 1: its token lies at i // k + i % k
             src = i // k + i % k
@@ -296,7 +296,8 @@ class PromptLookupProposer(Proposer):
         number = m[:, None] + add.cumsum(1)
         add &= number <= budget[:, None]
         depth = dep[:, :, None].expand(-1, -1, K).flatten(1)
-        nodes.put(add, number, lambda i: [cand.gather(1, i), cpar.gather(1, i), depth.gather(1, i), i >= 0, i * 0])
+        nodes.put(add, number, lambda i: [cand.gather(1, i), cpar.gather(1, i), depth.gather(1, i),
+                                          torch.ones_like(i), torch.zeros_like(i)])  # relaxed, from no position
 
     def rewind(self, n: int) -> None:
         for slot in range(n):  # rows were cut back: index them again when next asked

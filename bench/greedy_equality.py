@@ -13,7 +13,7 @@ itself: transformers' rows with the prompts batched (left-padded, as a user woul
                                     [--prompts 8] [--max-new 48] [--budget 128] [--capture-budget 5] [--out FILE]
                                     [--draft none]   (the target alone: --methods none,generator)
                                     [--cuda-path]    (a CPU down a GPU's code: static steps, compiled layer,
-                                                      additive masks, drafting ahead)
+                                                      additive masks, drafting ahead, an H200's memory plan)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partialmethod
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -36,11 +37,12 @@ from step_speed import log  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
-from specdec.exec import llama  # noqa: E402
+from specdec.exec import llama, memory  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 from specdec.spec.proposers.base import Proposer  # noqa: E402
 from specbatch import Generator  # noqa: E402
 
+H200 = 143771 * (1 << 20)  # bytes of memory an H200 reports
 METHODS = {"none": SpecConfig(method="none"),
            "fixed": SpecConfig(method="draft_model", draft_length="fixed", num_draft_tokens=3),
            "default": SpecConfig()}  # the engine's defaults
@@ -116,14 +118,17 @@ def main():
     ap.add_argument("--capture-budget", type=float, default=5.0,
                     help="seconds each engine captures steps before its rows join (the rest: when first met)")
     ap.add_argument("--cuda-path", action="store_true",
-                    help="run the engines down the CUDA path's code where no GPU is: the static steps (as graphs "
-                         "are replayed), the compiled layer, additive attention masks, drafting ahead at a cost")
+                    help="run the engines (the Generator's too) down the CUDA path's code where no GPU is: the "
+                         "static steps (as graphs are replayed), the compiled layer, additive attention masks, "
+                         "drafting ahead at a cost, the memory plan of a device with an H200's memory")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.cuda_path:  # what a GPU's engine does differently, on this device
         ModelRunner.compile_layers = True
         llama.ADDITIVE_MASKS = {torch.device(args.device).type}
         Proposer.ahead_pays = property(lambda self: True)
+        SpecEngine.__init__ = partialmethod(SpecEngine.__init__, step_graphs=True)  # (a caller's own value wins)
+        memory.device_memory = lambda device: (H200 - memory.GiB, H200)  # the caches a GPU's plan sizes
     if args.draft == "none" and not set(args.methods.split(",")) <= {"none", "generator"}:
         ap.error("--draft none: only --methods none and generator run without a draft")
     t0 = time.perf_counter()
@@ -145,11 +150,10 @@ def main():
                   f"{batched}/{n} (a reference a user batches is only as good as this)")
     log(args.out, f"{'method':8s} {'batch':>5s} {'equal':>6s} {'step path':12s} parted")
     cuda, diagnosed = str(pair.device).startswith("cuda"), False
-    forced = {"step_graphs": True} if args.cuda_path else {}
     for name in args.methods.split(","):
         for bs in [int(b) for b in args.batches.split(",")]:
             with torch.inference_mode():
-                same, cells, path = run(pair, prompts, want, name, bs, args, **forced)
+                same, cells, path = run(pair, prompts, want, name, bs, args)
             log(args.out, f"{name:8s} {bs:5d} {same:3d}/{n:<2d} {path:12s} {' '.join(cells)}")
             if same < n and (cuda or args.cuda_path) and not diagnosed:  # which part of that path parts them
                 diagnosed = True  # (once: the budget; the generator's case split as the engine's `none`)
@@ -158,13 +162,13 @@ def main():
                     graphs_off = run(pair, prompts, want, split, bs, args, step_graphs=False)[0]
                     compiled, ModelRunner.compile_layers = ModelRunner.compile_layers, False
                     try:
-                        layer_off = run(pair, prompts, want, split, bs, args, **forced)[0]
+                        layer_off = run(pair, prompts, want, split, bs, args)[0]
                     finally:
                         ModelRunner.compile_layers = compiled
                 log(args.out, f"#   equal with the captured steps off: {graphs_off}/{n}; with the compiled layer off: "
                               f"{layer_off}/{n}")
                 with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
-                    math = run(pair, prompts, want, split, bs, args, **forced)[0]
+                    math = run(pair, prompts, want, split, bs, args)[0]
                 log(args.out, f"#   equal with SDPA's math backend for the engine's attention: {math}/{n}")
     log(args.out, f"# {time.perf_counter() - t0:.0f} s")
 

@@ -19,6 +19,8 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
   ones join, their prefill's tail in a round's forward (not a captured step: on a GPU through the compiled
   layer's halves); tok/s against `fast` says what joining rows cost; fast-joins-eager: the same with those
   forwards eager (`ModelRunner.compile_prefills = False`);
+- fast-gemv: fast with the matrix products of steps of up to 8 tokens through bench/gemv.py's Triton kernel
+  instead of cuBLAS (a custom op inside the compiled halves; on a CPU interpreted: a check, not a speed);
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
   a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
@@ -28,14 +30,15 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
 once allows at batch 1. `busy` (our paths, on a GPU): the device's time on the rounds (CUDA events from each
 round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host.
-`--kernels TOP`: after each shape's first row (its first path at its first batch size), one more generate() under
-torch.profiler lists what its steps run: kernels per step, device ms per step, and the TOP kernels by device time
-(on a CPU: ops by CPU time). Prints as it goes; stops starting new rows after --deadline seconds.
+`--kernels TOP`: after each shape's first row (its first path at its first batch size; and fast-gemv's), one more
+generate() under torch.profiler lists what its steps run: kernels per step, device ms per step, and the TOP kernels
+by device time (on a CPU: ops by CPU time). Prints as it goes; stops starting new rows after --deadline seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -147,17 +150,23 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
         prompts = [p[j:] + p[:j] for j in (0, 1, 2, 3) for p in prompts]
         params = [SamplingParams(max_new_tokens=int(m))
                   for m in torch.randint(max(1, max_new // 4), max_new + 1, (len(prompts),), generator=g)]
-    eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size), SamplingParams(max_new_tokens=max_new),
-                     SpecConfig(method="none"), batch_size=batch, fast_path=path != "generic",
-                     overlap=path != "fast-serial", kv_cache="paged" if paged else "dense",
-                     paged_attention="flex" if paged and paged[1] else "gather",
-                     kv_block=int(paged[2]) if paged and paged[2] else 16)
-    first = timed(lambda: eng.generate(prompts, params=params))
-    eng.context.staging.device_s = 0.0
-    wall = timed(lambda: eng.generate(prompts, params=params))
-    ModelRunner.compile_layers, ModelRunner.compile_prefills = None, True
-    busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
-    table = kernel_table(eng, prompts, kernels) if kernels else []
+    if path == "fast-gemv":  # the matrix products of steps of up to 8 tokens through bench/gemv.py's kernel
+        import gemv
+        products = gemv.use_gemv()
+    else:
+        products = contextlib.nullcontext()
+    with products:
+        eng = SpecEngine(ModelPair(model, None, None, (), model.config.vocab_size),
+                         SamplingParams(max_new_tokens=max_new), SpecConfig(method="none"), batch_size=batch,
+                         fast_path=path != "generic", overlap=path != "fast-serial",
+                         kv_cache="paged" if paged else "dense", paged_attention="flex" if paged and paged[1] else
+                         "gather", kv_block=int(paged[2]) if paged and paged[2] else 16)
+        first = timed(lambda: eng.generate(prompts, params=params))
+        eng.context.staging.device_s = 0.0
+        wall = timed(lambda: eng.generate(prompts, params=params))
+        ModelRunner.compile_layers, ModelRunner.compile_prefills = None, True
+        busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
+        table = kernel_table(eng, prompts, kernels) if kernels else []
     tokens = batch * max_new if params is None else sum(p.max_new_tokens for p in params)
     return tokens / wall, first, eng.step_path, busy, table
 
@@ -251,7 +260,8 @@ def main():
                 break
             try:
                 if kind == "engine":
-                    profiled = args.kernels if (name, batch) == rows[0][::2] else 0
+                    first_row = (name, batch) == rows[0][::2] or (name == "fast-gemv" and batch == batches[0])
+                    profiled = args.kernels if first_row else 0
                     tok_s, first, step_path, busy, table = engine_tok_s(model, name, batch, prompts[batch],
                                                                         args.max_new, profiled)
                 else:

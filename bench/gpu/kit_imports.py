@@ -30,7 +30,7 @@ def main() -> None:
     if rc != 0:
         sys.exit(f"kit_imports: pytest could not collect the GPU tests (exit {rc})")
     for script in ("bench/step_speed.py", "bench/policies.py", "bench/round_profile.py", "bench/paged_attention.py",
-                   "bench/shape_pair.py", "bench/greedy_equality.py"):
+                   "bench/shape_pair.py", "bench/greedy_equality.py", "bench/gemv.py"):
         sys.argv = [script, "--help"]
         try:
             runpy.run_path(script, run_name="__main__")

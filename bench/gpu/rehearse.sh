@@ -31,7 +31,7 @@ export KIT_DEVICE=cpu KIT_TMP=$WORK/machine KIT_VIEW=$WORK/tree/bench/gpu/view K
   KIT_TEST_K=${KIT_TEST_K:-"lean_forward_matches or mismatched_pair or row_processing_equals or random123 or allocated_length or plain_rounds_queue or different_rounds"} \
   KIT_POLICY_ARGS=${KIT_POLICY_ARGS:-"--batches 1 --policies fixed --ks 2 --prompts 1 --max-new 4 --repeats 1"} \
   KIT_PROFILE_S=${KIT_PROFILE_S:-300} KIT_PROFILE_ARGS=${KIT_PROFILE_ARGS:-"--batch 1 --max-new 4 --top 5"} \
-  KIT_PAGED_S=${KIT_PAGED_S:-300} KIT_PAGED_ARGS=${KIT_PAGED_ARGS:-"--shapes tiny --batches 2 --kv 200 --queries 1 --repeats 3"} \
+  KIT_GEMV_S=${KIT_GEMV_S:-300} KIT_GEMV_ARGS=${KIT_GEMV_ARGS:-"--shapes tiny --rows 1,3 --calls 2"} \
   KIT_SHAPE_S=${KIT_SHAPE_S:-300} KIT_SHAPE_ARGS=${KIT_SHAPE_ARGS:-"--shapes tiny --batches 1,2 --ks 2 --max-new 8 --prompt-len 8"} \
   KIT_JOINS_S=${KIT_JOINS_S:-120} KIT_JOINS_BATCH=${KIT_JOINS_BATCH:-2} KIT_LOOKUP_S=${KIT_LOOKUP_S:-300} \
   KIT_LOOKUP_ARGS=${KIT_LOOKUP_ARGS:-"--batches 2 --n 2 --max-new 6 --repeats 1 --settings trees:k=2:s=1 --dtype float32"} \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run on the device machine, one stage a call, the three back to back (bench/gpu/README.md: the calls to paste
 # and their times; prepare.sh packs what they carry; rehearse.sh runs these same stages here, on CPU):
-#   first   step speed of the Llama-8B shape (random weights): our fast path against transformers eager and
-#           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others
+#   first   step speed of the Llama-8B shape (random weights): our fast path, with cuBLAS's products and with
+#           bench/gemv.py's kernel, against transformers eager and static cache + compiled, and the HBM roofline;
+#           then the GPU tests, each file beside the others
 #           with its own budget
 #   second  the real target, from the first two calls' model parts: float32 greedy rows at batch 8 against
 #           transformers' (bench/greedy_equality.py: the CUDA batch-8 defect's scenario); step speed of the SmolLM2
-#           shape: the same as the first's, and our generic path; then attention over a paged KV cache against the
-#           dense rows, the Llama-8B shape (bench/paged_attention.py)
+#           shape: the same as the first's, and our generic path; then the decoder's matrix products at decode
+#           shapes, cuBLAS against a Triton kernel (bench/gemv.py: Llama-8B and SmolLM2 linears, 1 and 8 rows)
 #   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
 #           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
 #   fourth  (when the lease has the time) where the machine stayed warm, prefix caching off and on with the real
@@ -24,8 +25,8 @@
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
 # KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# KIT_PROFILE_ARGS, KIT_PAGED_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
-# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_PAGED_S, KIT_SHAPE_S, KIT_PREFIX_S, KIT_JOINS_S,
+# KIT_PROFILE_ARGS, KIT_GEMV_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
+# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_GEMV_S, KIT_SHAPE_S, KIT_PREFIX_S, KIT_JOINS_S,
 # KIT_JOINS_BATCH, KIT_LOOKUP_S, KIT_LOOKUP_ARGS, and KIT_VIEW (a
 # folder put first on PYTHONPATH).
 set -uo pipefail
@@ -122,16 +123,15 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-serial}" "${KIT_STEP_S:-120}"
+      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-gemv}" "${KIT_STEP_S:-120}"
       gpu_tests ;;
     second)
       wheels; keep; join_target
       step greedy_equality "${KIT_EQUAL_S:-45}" python3 bench/greedy_equality.py --device "$DEVICE" --draft none \
         ${KIT_EQUAL_ARGS:---batches 8 --methods none,generator} --out "$OUT/greedy_equality.txt"
       step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-20}"
-      step paged_attention "${KIT_PAGED_S:-45}" python3 bench/paged_attention.py --device "$DEVICE" \
-        ${KIT_PAGED_ARGS:---shapes llama8b --batches 64,1 --kv 2048 --queries 1,3 --mixed --paths gather,engine,engine128 --deadline 28} \
-        --out "$OUT/paged_attention.txt" ;;
+      step gemv "${KIT_GEMV_S:-45}" python3 bench/gemv.py --device "$DEVICE" \
+        ${KIT_GEMV_ARGS:---shapes llama8b,smollm2 --rows 1,8 --deadline 30} --out "$OUT/gemv.txt" ;;
     third)
       wheels; keep; join_models
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-80}" python3 bench/policies.py --device "$DEVICE" \

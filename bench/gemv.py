@@ -6,15 +6,17 @@ products read almost all of its bytes. Peers report cuBLAS's M=1 kernels (split-
 rows) at 64-75% of HBM, and custom GEMV kernels 25-44% faster on small and medium matrices.
 
     python bench/gemv.py [--device cuda] [--shapes llama8b,smollm2] [--rows 1,8] [--dtype bfloat16]
-                         [--configs 16x256x4,32x128x4,8x512x4,16x128x8,64x64x8] [--deadline 0] [--out FILE]
+                         [--configs 16x256x4,...,d64x128x4,d32x256x4] [--deadline 0] [--out FILE]
 
-Per (shape, linear, rows): µs a call of cuBLAS and of each Triton config (BLOCK_N x BLOCK_K x warps), the best
+Per (shape, linear, rows): µs a call of cuBLAS and of each Triton config (BLOCK_N x BLOCK_K x warps; `d`: x's rows
+in a 16-row tile through tensor cores, `tl.dot`, instead of float32 sums of products), the best
 config's ratio to cuBLAS and each one's effective bandwidth (weight bytes / time) as a share of the measured copy
 bandwidth. Timed on a GPU as one CUDA graph of calls over enough copies of the weight that none is read from L2
 (as in a step, where the other layers' weights come between); every config's output is checked against float32
 first (`err`: the configs' largest relative error / cuBLAS's). Where no GPU is, the same table comes from eager calls
 and Triton's interpreter (`TRITON_INTERPRET=1` is set before triton is imported): a check of the script and the
-kernel's outputs, not a timing (`--shapes tiny`); without triton the kernel's columns say so.
+kernel's outputs, not a timing (`--shapes tiny`; its bfloat16 `tl.dot` is wrong there: `--dtype float16` checks the
+`d` configs); without triton the kernel's columns say so.
 """
 
 from __future__ import annotations
@@ -63,14 +65,34 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int]) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T through the Triton kernel, with (BLOCK_N, BLOCK_K, warps)."""
-    block_n, block_k, warps = config
+    @triton.jit
+    def _gemv_dot(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_gemv` with tensor cores: x's rows padded to a 16-row tile, each K step one tl.dot."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                        other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T through a Triton kernel: config "NxKxW" (`_gemv`: BLOCK_N, BLOCK_K, warps) or
+    "dNxKxW" (`_gemv_dot`, x's rows in a 16-row tile)."""
+    dot = config.startswith("d")
+    block_n, block_k, warps = map(int, config.removeprefix("d").split("x"))
     m, k = x.shape
     out = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)
-    _gemv[(triton.cdiv(w.shape[0], block_n),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0), out.stride(0),
-                                               BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n,
-                                               BLOCK_K=block_k, num_warps=warps)
+    kernel, block_m = (_gemv_dot, 16) if dot else (_gemv, max(1, triton.next_power_of_2(m)))
+    kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0), out.stride(0),
+                                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 
@@ -177,8 +199,8 @@ def main():
     ap.add_argument("--shapes", default="llama8b,smollm2")
     ap.add_argument("--rows", default="1,8", help="rows of x (the batch's tokens in a step)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--configs", default="16x256x4,32x128x4,8x512x4,16x128x8,64x64x8",
-                    help="BLOCK_N x BLOCK_K x warps, each")
+    ap.add_argument("--configs", default="16x256x4,32x128x4,8x512x4,16x128x8,d64x128x4,d32x256x4",
+                    help="BLOCK_N x BLOCK_K x warps, each (d: the tensor-core kernel)")
     ap.add_argument("--calls", type=int, default=40, help="calls a timed graph holds")
     ap.add_argument("--l2-bytes", type=float, default=256e6, help="weight copies to cycle through: at least this")
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new case starts (0: none)")
@@ -188,7 +210,7 @@ def main():
         open(args.out, "w").close()
     t0 = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    configs = [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]
+    configs = args.configs.split(",")
     cuda = args.device.startswith("cuda")
     log(args.out, environment())
     if triton is None:
@@ -197,7 +219,7 @@ def main():
     how = f"one CUDA graph of {args.calls} calls" if cuda else "eager calls, Triton interpreted: not a timing"
     log(args.out, f"# {args.dtype}; copy bandwidth {bw / 1e12:.2f} TB/s; each case {how} over >= "
                   f"{args.l2_bytes / 1e6:.0f} MB of weight copies; us a call (share of copy bandwidth)")
-    names = " ".join(f"{'x'.join(map(str, c)):>17s}" for c in configs)
+    names = " ".join(f"{c:>17s}" for c in configs)
     log(args.out, f"{'shape':8s} {'linear':8s} {'N x K':>13s} {'M':>3s} {'cublas':>17s} {names}  best/cublas  err")
     for shape in args.shapes.split(","):
         for name, (n, k) in linears(shape).items():

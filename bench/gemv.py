@@ -48,9 +48,11 @@ except ImportError:  # the CPU image of CI has no triton: the bench says so and 
 if triton is not None:
     @triton.jit
     def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] for BLOCK_N output columns a program, the weight's rows streamed
-        once (evicted first: no other program reads them), x's rows re-read from L2, sums in float32."""
+        once (evicted first: no other program reads them), x's rows re-read from L2, sums in float32: of the
+        products (a [BLOCK_M, BLOCK_N, BLOCK_K] tile) or, with DOT, one tensor-core tl.dot per K step (BLOCK_M
+        at least 16: x's rows padded)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -60,39 +62,25 @@ if triton is not None:
                         other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
                         other=0.0)
-            acc += tl.sum(tl.expand_dims(x.to(tl.float32), 1) * tl.expand_dims(w.to(tl.float32), 0), axis=2)
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-    @triton.jit
-    def _gemv_dot(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """`_gemv` with tensor cores: x's rows padded to a 16-row tile, each K step one tl.dot."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
-                        other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            acc += tl.dot(x, tl.trans(w))
+            if DOT:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.sum(tl.expand_dims(x.to(tl.float32), 1) * tl.expand_dims(w.to(tl.float32), 0), axis=2)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
     """x [M, K] @ w [N, K].T through a Triton kernel: config "NxKxW" (`_gemv`: BLOCK_N, BLOCK_K, warps) or
-    "dNxKxW" (`_gemv_dot`, x's rows in a 16-row tile)."""
+    "dNxKxW" (through tensor cores, x's rows in a 16-row tile)."""
     dot = config.startswith("d")
     block_n, block_k, warps = map(int, config.removeprefix("d").split("x"))
     m, k = x.shape
     out = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)
-    kernel, block_m = (_gemv_dot, 16) if dot else (_gemv, max(1, triton.next_power_of_2(m)))
-    kernel[(triton.cdiv(w.shape[0], block_n),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0), out.stride(0),
-                                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    block_m = 16 if dot else max(1, triton.next_power_of_2(m))
+    _gemv[(triton.cdiv(w.shape[0], block_n),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0), out.stride(0),
+                                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+                                               num_warps=warps)
     return out
 
 
@@ -113,7 +101,8 @@ if triton is not None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         kernel = wrap_triton(_gemv) if x.device.type == "cuda" else _gemv  # (traced, or interpreted eagerly)
         kernel[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=False,
+                                           num_warps=warps)
         return out
 
 

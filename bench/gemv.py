@@ -119,8 +119,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 @contextlib.contextmanager
 def use_gemv():
     """The engine's matrix products (the lean layer's four and the output head: specdec/exec/llama.py and
-    runner.py) through `linear` while inside: their modules see an `F` whose `linear` is it. Compiled code is
-    dropped on the way in and out, so that the compiled halves compile again with (without) it."""
+    runner.py) through `linear` while inside: their modules see an `F` whose `linear` is it (compiled halves guard
+    on that global: they compile once more for it, and the code compiled without it serves again after)."""
     from specdec.exec import llama, runner
 
     shim = types.ModuleType("F_gemv")
@@ -128,12 +128,10 @@ def use_gemv():
     shim.linear = linear
     saved = llama.F, runner.F
     llama.F = runner.F = shim
-    torch._dynamo.reset()
     try:
         yield
     finally:
         llama.F, runner.F = saved
-        torch._dynamo.reset()
 
 
 def linears(shape: str) -> dict[str, tuple[int, int]]:

@@ -20,7 +20,8 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
   layer's halves); tok/s against `fast` says what joining rows cost; fast-joins-eager: the same with those
   forwards eager (`ModelRunner.compile_prefills = False`);
 - fast-gemv: fast with the matrix products of steps of up to 8 tokens through bench/gemv.py's Triton kernel
-  instead of cuBLAS (a custom op inside the compiled halves; on a CPU interpreted: a check, not a speed);
+  instead of cuBLAS (a custom op inside the compiled halves; on a CPU interpreted: a check, not a speed); batches
+  of up to 8 rows only (beyond, it is fast);
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
   a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
@@ -250,7 +251,7 @@ def main():
         # each path over every batch size before the next path, transformers' references last: a deadline cuts
         # the references, not our own figures
         rows = [(p, "engine", b) for p in args.paths.split(",") if p for b in batches
-                if p != "generic" or str(b) in args.generic_batches.split(",")]
+                if (p != "generic" or str(b) in args.generic_batches.split(",")) and (p != "fast-gemv" or b <= 8)]
         rows += [(f"hf {k}", "hf", b) for k in args.hf.split(",") if k for b in batches
                  if str(b) in args.hf_batches.split(",")]
         got: dict[tuple[str, int], float] = {}

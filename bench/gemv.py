@@ -70,18 +70,24 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def _launch(kernel, x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int, warps: int,
+            dot: bool) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T: `_gemv` (or its traceable wrapper) launched over N in blocks of `block_n`."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m,
+                                       BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=warps)
+    return out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
     """x [M, K] @ w [N, K].T through a Triton kernel: config "NxKxW" (`_gemv`: BLOCK_N, BLOCK_K, warps) or
     "dNxKxW" (through tensor cores, x's rows in a 16-row tile)."""
     dot = config.startswith("d")
     block_n, block_k, warps = map(int, config.removeprefix("d").split("x"))
-    m, k = x.shape
-    out = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)
-    block_m = 16 if dot else max(1, triton.next_power_of_2(m))
-    _gemv[(triton.cdiv(w.shape[0], block_n),)](x, w, out, m, w.shape[0], k, x.stride(0), w.stride(0), out.stride(0),
-                                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-                                               num_warps=warps)
-    return out
+    block_m = 16 if dot else max(1, triton.next_power_of_2(x.shape[0]))
+    return _launch(_gemv, x, w, block_m, block_n, block_k, warps, dot)
 
 
 MAX_ROWS = 8  # steps of up to this many tokens (rows x width) take the kernel in `use_gemv`
@@ -94,16 +100,9 @@ if triton is not None:
     def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w [N, K].T for M <= MAX_ROWS, as a custom op that torch.compile keeps whole (the compiled
         halves call it where they called cuBLAS)."""
-        m, k = x.shape
-        n = w.shape[0]
-        block_m = 1 if m == 1 else MAX_ROWS
-        block_n, block_k, warps = STEP_CONFIGS[block_m]
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        block_m = 1 if x.shape[0] == 1 else MAX_ROWS
         kernel = wrap_triton(_gemv) if x.device.type == "cuda" else _gemv  # (traced, or interpreted eagerly)
-        kernel[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=False,
-                                           num_warps=warps)
-        return out
+        return _launch(kernel, x, w, block_m, *STEP_CONFIGS[block_m], dot=False)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -99,7 +99,7 @@ if triton is not None:
     @triton_op("specbatch_bench::gemv", mutates_args={})
     def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w [N, K].T for M <= MAX_ROWS, as a custom op that torch.compile keeps whole (the compiled
-        halves call it where they called cuBLAS)."""
+        pieces call it where they called cuBLAS)."""
         block_m = 1 if x.shape[0] == 1 else MAX_ROWS
         kernel = wrap_triton(_gemv) if x.device.type == "cuda" else _gemv  # (traced, or interpreted eagerly)
         return _launch(kernel, x, w, block_m, *STEP_CONFIGS[block_m], dot=False)
@@ -118,7 +118,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 @contextlib.contextmanager
 def use_gemv():
     """The engine's matrix products (the lean layer's four and the output head: specdec/exec/llama.py and
-    runner.py) through `linear` while inside: their modules see an `F` whose `linear` is it (compiled halves guard
+    runner.py) through `linear` while inside: their modules see an `F` whose `linear` is it (compiled pieces guard
     on that global: they compile once more for it, and the code compiled without it serves again after)."""
     from specdec.exec import llama, runner
 

@@ -11,10 +11,10 @@ cache. `--ahead-pays`: rounds drafted ahead as on a GPU (prompt lookup's from th
 end at different rounds and queued ones join, their prefill's tail in a round's forward (an eager forward on a
 GPU too: `joins` counts those rounds, `ops a join` what each dispatches).
 
-`--halves`: first, one joining forward (6 rows stepping one token, 2 rows joining with 25) eagerly, and with the
-layer's halves as one call each, as a compiled layer runs them: the ops left between the calls.
+`--pieces`: first, one joining forward (6 rows stepping one token, 2 rows joining with 25) eagerly, and with the
+pieces between its attentions as one call each, as compiled pieces run: the ops left between the calls.
 
-    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--job 1] [--halves]
+    python bench/round_ops.py [--batches 2,8,16] [--ks 0,2] [--trees] [--paged] [--layers 2] [--job 1] [--pieces]
                               [--ahead-pays] [--top 12] [--out FILE]
 """
 
@@ -105,8 +105,8 @@ def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter:
             f"{per_join:10.0f}  {top}")
 
 
-def halves(target, counter: Ops) -> str:
-    """A joining forward's ops, eager and with the halves as opaque calls (`--halves`)."""
+def pieces(target, counter: Ops) -> str:
+    """A joining forward's ops, eager and with the pieces between its attentions as opaque calls (`--pieces`)."""
     from specdec.exec import llama
     from specdec.exec.cache import RaggedKVCache
 
@@ -114,15 +114,15 @@ def halves(target, counter: Ops) -> str:
     cache = RaggedKVCache(target, rows=8, max_len=128)
     parts = [(torch.zeros(6, 1, dtype=torch.long), torch.full((6, 1), 20), 64, 0),
              (torch.zeros(2, 25, dtype=torch.long), torch.arange(25).expand(2, 25), 25, 6)]
-    opaque = [counter.uncounted(f) for f in (llama._attention_in, llama._layer_out)]
+    opaque = [counter.uncounted(f) for f in (llama._first, llama._between, llama._last)]
     weights, counts = llama.load_weights(target), []
-    for pre, post in ((llama._attention_in, llama._layer_out), opaque):
+    for run in (llama.EAGER, llama.Pieces(*opaque)):
         counter.where.clear()
         with counter:
-            llama.forward_parts(weights, cache, parts, pre, post)
+            llama.forward_parts(weights, cache, parts, run)
         counts.append(sum(counter.where.values()))
     return (f"# a joining forward, {layers} layers (6 rows x 1 token, 2 rows x 25): eager {counts[0]} ops "
-            f"({counts[0] / layers:.1f} a layer); with each half one call ({sum(f.calls for f in opaque)} calls) "
+            f"({counts[0] / layers:.1f} a layer); with each piece one call ({sum(f.calls for f in opaque)} calls) "
             f"{counts[1]} ops between them ({counts[1] / layers:.1f} a layer)")
 
 
@@ -134,7 +134,7 @@ def main():
     ap.add_argument("--paged", action="store_true", help="each case also over a paged KV cache")
     ap.add_argument("--layers", type=int, default=2, help="the pair's decoder layers")
     ap.add_argument("--job", type=int, default=1, help="prompts per row of the batch (> 1: rows join as others end)")
-    ap.add_argument("--halves", action="store_true", help="first, a joining forward's ops between the layer's halves")
+    ap.add_argument("--pieces", action="store_true", help="first, a joining forward's ops between its pieces")
     ap.add_argument("--ahead-pays", action="store_true", help="draft ahead at a cost, as on a GPU (prompt lookup's "
                     "chains and trees built on the device while a round is in flight)")
     ap.add_argument("--top", type=int, default=12, help="functions listed per case")
@@ -163,8 +163,8 @@ def main():
     lines = ["# ops a round dispatches outside the models' forwards (tiny pair, greedy, 32 new tokens, static steps)",
              f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s} "
              f"{'joins':>5s} {'ops a join':>10s}  most, a round: function"]
-    if args.halves:
-        lines.insert(0, halves(target, counter))
+    if args.pieces:
+        lines.insert(0, pieces(target, counter))
     print("\n".join(lines), flush=True)
     names = [str(int(k)) for k in args.ks.split(",")] + (["chains", "trees"] if args.trees else [])
     try:

@@ -367,8 +367,8 @@ class SpecEngine:
         to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`; as wide as `policy` drafts,
         and the verify widths explored beyond) at every row, width and window bucket; the whole batch's first,
         narrow windows first, for up to `capture_budget` seconds (a step left out runs through a captured one that
-        covers it, and is captured once met often: `ModelRunner.cover`); then the compiled halves prefills and
-        joining rows run (`ModelRunner.warm_halves`). Nothing where no steps are captured (a CPU by default)."""
+        covers it, and is captured once met often: `ModelRunner.cover`); then the compiled pieces prefills and
+        joining rows run (`ModelRunner.warm_pieces`). Nothing where no steps are captured (a CPU by default)."""
         t0 = time.perf_counter()
         runners = {name: r for name, r in self._runners.items() if getattr(r, "graphs", None) is not None}
         if not runners:
@@ -388,7 +388,7 @@ class SpecEngine:
                     runner.capture([(r, w, kv, not last) for w, last in kinds[name]], deadline)
         for runner in runners.values():  # steps of shapes left out run through covering ones (ModelRunner.cover)
             runner.sealed = True
-            runner.warm_halves()  # and what prefills and joining rows compile, compiled before rows join
+            runner.warm_pieces()  # and what prefills and joining rows compile, compiled before rows join
         self.capture_s = time.perf_counter() - t0
 
     def max_prompt_tokens(self, plan: memory.MemoryPlan | None, max_new: int | None = None) -> int:

@@ -114,19 +114,22 @@ def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts
 
 
 @pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_prefills_and_joining_rows_run_through_the_compiled_halves(target, prompts, reference, layout, monkeypatch):
-    """Where the layer is compiled, the forwards no graph captures (the first admission's prefill, prompts that go on
-    from a cached prefix, rows joining a round beside the others' step) run through its compiled halves, each
-    compilation's first forward checked against eager's as a step's is: none falls back, and the tokens are
-    transformers'. (On a GPU the joining forward is then a few fused kernels a layer instead of ~48 eager ops;
-    here compiling is forced, as bench/step_speed.py's fast-compiled does.)"""
+def test_prefills_and_joining_rows_run_through_the_compiled_pieces(target, prompts, reference, layout, monkeypatch):
+    """Where the pieces between the attentions are compiled, the forwards no graph captures (the first admission's
+    prefill, prompts that go on from a cached prefix, rows joining a round beside the others' step) run through
+    them too, each compilation's first forward checked against eager's as a step's is: none falls back, and the
+    tokens are transformers'. (On a GPU the joining forward is then a few fused kernels a layer instead of ~48 eager
+    ops; here compiling is forced, as bench/step_speed.py's fast-compiled does.)"""
+    import inspect
+
     from specdec.exec import graphs
 
     monkeypatch.setattr(ModelRunner, "compile_layers", True)
     used = collections.Counter()
-    for name in ("layer_prefill", "layer_parts", "layer_forward"):
-        def spy(*args, _real=getattr(llama, name), _name=name, **kwargs):  # layer_parts takes `pre` 13th
-            used[_name, kwargs.get("pre", args[12] if len(args) > 12 else None) in graphs.compiled_halves()] += 1
+    for name in ("prefill", "forward_parts"):
+        def spy(*args, _real=getattr(llama, name), _name=name, **kwargs):
+            pieces = inspect.signature(_real).bind(*args, **kwargs).arguments.get("pieces", llama.EAGER)
+            used[_name, pieces is graphs.compiled_pieces()] += 1
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(llama, name, spy)
@@ -136,13 +139,13 @@ def test_prefills_and_joining_rows_run_through_the_compiled_halves(target, promp
     assert [r.token_ids for r in out] == reference + reference[:2]
     runner = eng._runners["target"]
     assert runner.eager == {} and {("layer", False, True, False), ("layer", True, True, False)} <= runner.checked
-    worst, _ = eng.step_errors  # float32: the compiled halves' rounding, ~1e-7, far below the check's 1e-3
+    worst, _ = eng.step_errors  # float32: the compiled pieces' rounding, ~1e-7, far below the check's 1e-3
     assert set(runner.errors) == runner.checked and worst < 1e-5, runner.errors
-    layers = target.config.num_hidden_layers  # eager runs the layers once more, in a compilation's first check
-    assert used["layer_prefill", True] and used["layer_parts", True] > layers >= used["layer_parts", False], used
+    # eager runs a joining forward once, in its compilation's first check
+    assert used["prefill", True] and used["forward_parts", True] > 1 >= used["forward_parts", False], used
     # a job's capture compiles them before its rows join (`SpecEngine.capture_steps`)
     fresh = ModelRunner(target, RaggedKVCache(target, 4, 64), target.lm_head.weight)
-    fresh.warm_halves()
+    fresh.warm_pieces()
     assert fresh.eager == {} and fresh.checked == {("layer", False, True, False), ("layer", True, True, False)}
 
 
@@ -386,8 +389,8 @@ def test_policies_that_stop_on_draft_outputs_sync_per_step(target, prompts):
 
 
 def test_compiled_layers_of_four_model_shapes_never_fall_back(prompts, monkeypatch):
-    """The compiled halves specialize on a model's shape (heads, head_dim) and on one row or token vs more: a
-    target and three drafts of other shapes, over batch sizes 1..4, compile more than 8 times per half, past
+    """The compiled pieces specialize on a model's shape (heads, head_dim) and on one row or token vs more: a
+    target and three drafts of other shapes, over batch sizes 1..4, compile more than 8 times per piece, past
     torch's default recompile limit (where fullgraph turns the ninth into an error and that shape would run
     eagerly for good). Every step stays on the compiled path and matches eager."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -408,7 +411,7 @@ def test_compiled_layers_of_four_model_shapes_never_fall_back(prompts, monkeypat
         for n in (1, 2, 4):
             eng.generate(prompts[:n])
         runners += eng._runners.values()
-    assert all(r.layer is not llama.layer_forward and r.checked for r in runners)
+    assert all(r.pieces is not llama.EAGER and r.checked for r in runners)
     assert [r.eager for r in runners] == [{}] * len(runners)
 
 

@@ -1,8 +1,9 @@
 """KV caches for ragged speculative batches: dense rows, or a pool of blocks with a table per row.
 
 A forward runs over a contiguous window of rows `[start, end)` with per-row positions `[rows, tokens]`: the cache's
-`view(start, end, slots, kv_len)` says where each layer writes the new keys/values (`write`) and gives the window's
-keys/values over slots `[0, kv_len)` to attend over (`read`). The slot of a token is its position, so every row
+`view(start, end, slots, kv_len)` says where each layer writes the new keys/values (`at`, an index into a layer's
+`k`/`v` that `put` writes at: inside the lean forward's compiled pieces, specdec/exec/llama.py) and gives the
+window's keys/values over slots `[0, kv_len)` to attend over (`read`). The slot of a token is its position, so every row
 keeps its own length; rolling back rejected draft tokens is lowering a row's length in the engine: stale slots are
 masked out and overwritten next round, nothing is recomputed. Rows leave by swap-remove (`move_row`), so the active
 rows stay `[0, n)`. The buffers never move, which is what CUDA-graph capture needs (an engine keeps its caches
@@ -54,15 +55,31 @@ def blocks_for(slots: int, block: int = BLOCK) -> int:
     return -(-slots // block)
 
 
+def put(keys: torch.Tensor, values: torch.Tensor, at: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Keys and values [n, t, kv_heads, head_dim] into one layer's `keys` and `values` at index `at` (a view's)."""
+    keys[at] = k.to(keys.dtype)
+    values[at] = v.to(values.dtype)
+
+
+def side_by_side(views: list[KVView], shapes: list[tuple[int, int]]) -> tuple:
+    """One index for several views' slots (n_i x t_i tokens each, `shapes`), their tokens side by side: [1, T]."""
+    flat = [[i.expand(n, t).reshape(-1) if isinstance(i, torch.Tensor) else i for i in view.at]
+            for view, (n, t) in zip(views, shapes)]
+    return tuple(torch.cat(c)[None] if isinstance(c[0], torch.Tensor) else c[0] for c in zip(*flat))
+
+
 class KVView:
-    """One forward's access to a window of rows: `write(layer, k, v)` puts keys/values [n, t, kv_heads, head_dim]
-    at the forward's slots; `read(layer)` gives the window's keys/values [n, kv_heads, kv_len, head_dim]. A view
-    that attends over the cache itself (`attends`) gives `attend(layer, q)` instead of `read`."""
+    """One forward's access to a window of rows: `at` indexes the forward's slots in a layer's keys/values (`k[layer]`,
+    `v[layer]`) as keys/values [n, t, kv_heads, head_dim] lie (`put`, `write`); `read(layer)` gives the window's
+    keys/values [n, kv_heads, kv_len, head_dim]. A view that attends over the cache itself (`attends`) gives
+    `attend(layer, q)` instead of `read`."""
 
     attends = False
+    cache: KVCache
+    at: tuple
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError
+        put(self.cache.k[layer], self.cache.v[layer], self.at, k, v)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -166,13 +183,9 @@ class KVCache(WholeRows, Cache):
 
 class _DenseView(KVView):
     def __init__(self, cache: RaggedKVCache, start: int, end: int, slots: torch.Tensor, kv_len: int):
-        self.cache, self.start, self.end, self.slots, self.kv_len = cache, start, end, slots, kv_len
-        self.rows = torch.arange(end - start, device=slots.device)[:, None]
-
-    def write(self, layer, k, v):
+        self.cache, self.start, self.end, self.kv_len = cache, start, end, kv_len
         # advanced indices (rows, slots) around a slice put their dims first: [n, t, kv_heads, head_dim]
-        self.cache.k[layer][self.start:self.end][self.rows, :, self.slots] = k.to(self.cache.dtype)
-        self.cache.v[layer][self.start:self.end][self.rows, :, self.slots] = v.to(self.cache.dtype)
+        self.at = (torch.arange(start, end, device=slots.device)[:, None], slice(None), slots)
 
     def read(self, layer):
         return (self.cache.k[layer][self.start:self.end, :, :self.kv_len],
@@ -219,13 +232,9 @@ class _PagedView(KVView):
     def __init__(self, cache: PagedKVCache, start: int, end: int, slots: torch.Tensor, kv_len: int):
         self.cache = cache
         table = cache.table[start:end]
-        self.at = cache.physical(table, slots)  # [n, t] pool slots written
+        self.at = (cache.physical(table, slots),)  # [n, t] pool slots written
         s = torch.arange(kv_len, device=slots.device)
         self.reads = cache.physical(table, s[None, :].expand(end - start, kv_len)) if kv_len else None
-
-    def write(self, layer, k, v):
-        self.cache.k[layer][self.at] = k.to(self.cache.dtype)  # [n, t, kv_heads, head_dim]
-        self.cache.v[layer][self.at] = v.to(self.cache.dtype)
 
     def read(self, layer):
         return (self.cache.k[layer][self.reads].transpose(1, 2), self.cache.v[layer][self.reads].transpose(1, 2))

@@ -1,4 +1,4 @@
-"""CUDA graphs for the steps whose shapes repeat, and the compiled decoder layer.
+"""CUDA graphs for the steps whose shapes repeat, and the lean forward's compiled pieces.
 
 A decoding step of a small model on a GPU is launch-bound: transformers' eager modules spend about
 1 ms per layer in Python and kernel launches whatever the model's size. `StepGraphs` records a step
@@ -8,22 +8,21 @@ runs again). All graphs share one memory pool: they never run at the same time. 
 object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
 buffer and padding logic where no GPU is.
 
-`compiled_layer()` is the lean decoder layer (specdec/exec/llama.py) with its two halves around the attention
-through `torch.compile`, which fuses their elementwise work (norms, RoPE, activations) into a few kernels;
-every layer of every Llama-family model in the process shares them, and so do the forwards no graph captures
-(prefills, rows joining a round: `compiled_halves`). The cache writes and the attention run eagerly between them
-(inside a graph that costs no launches): inductor's CUDA attention lowering over a cache slice of symbolic length
-fails its own stride checks. Shapes are symbolic: each half compiles four times
-per model shape (one row or more, one token or more: PyTorch specializes sizes 0 and 1), not per batch size or
-width; sizes are not "duck-shaped" (a width that happened to equal the number of KV heads would otherwise be
-guarded as equal). On CPU the compiled layer is slower than eager and takes minutes to compile, so only GPUs use
-it (bench/results/README.md has the figures).
+`compiled_pieces()` is what the lean forward (specdec/exec/llama.py) runs between its attentions through
+`torch.compile`: one graph from a layer's attention output to the next layer's attention input (o_proj, the
+residual, the MLP, the next norm, q/k/v, RoPE and the cache writes), which inductor fuses into a few kernels around
+the matrix products; every layer of every Llama-family model in the process shares them, and so do the forwards no
+graph captures (prefills, rows joining a round). The attention runs eagerly between them (inside a graph that costs
+no launches): inductor's CUDA attention lowering over a cache slice of symbolic length fails its own stride checks.
+Shapes are symbolic: each piece compiles four times per model shape and cache layout (one row or more, one token
+or more: PyTorch specializes sizes 0 and 1), not per batch size or width; sizes are not "duck-shaped" (a width
+that happened to equal the number of KV heads would otherwise be guarded as equal). On CPU the compiled pieces are
+slower than eager and take minutes to compile, so only GPUs use them (bench/results/README.md has the figures).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -60,28 +59,19 @@ def compiled_flex() -> Callable:
     return _COMPILED["flex"]
 
 
-def compiled_halves() -> tuple[Callable, Callable]:
-    """The lean layer's halves around its attention (norm, q/k/v and RoPE; o_proj, the residual and the MLP) through
-    torch.compile, once per process: the compiled layer's, and the eager forwards' (prefills, rows joining a round)."""
+def compiled_pieces():
+    """The lean forward's pieces between its attentions (`llama.Pieces`) through torch.compile, once per process:
+    the captured steps', and the eager forwards' (prefills, rows joining a round)."""
     from . import llama
 
-    if "halves" not in _COMPILED:
+    if "pieces" not in _COMPILED:
         import torch.fx.experimental._config as fx_config
 
         fx_config.use_duck_shape = False
         _many_compilations()
-        _COMPILED["halves"] = tuple(torch.compile(f, dynamic=True, fullgraph=True)
-                                    for f in (llama._attention_in, llama._layer_out))
-    return _COMPILED["halves"]
-
-
-def compiled_layer() -> Callable:
-    from . import llama
-
-    if "layer" not in _COMPILED:
-        pre, post = compiled_halves()
-        _COMPILED["layer"] = partial(llama.layer_forward, pre=pre, post=post)
-    return _COMPILED["layer"]
+        _COMPILED["pieces"] = llama.Pieces(*(torch.compile(f, dynamic=True, fullgraph=True)
+                                             for f in (llama._first, llama._between, llama._last)))
+    return _COMPILED["pieces"]
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache, KVView
+from .cache import KVCache, put, side_by_side
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -158,11 +158,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention_in(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                  kv_heads: int, head_dim: int, eps: float):
-    """Norm, fused q/k/v projection and RoPE: q [n, heads, t, hd], k and v [n, t, kv_heads, hd]."""
-    return _heads(F.linear(rms_norm(x, layer.ln1, eps), layer.qkv, layer.qkv_bias), cos, sin, heads, kv_heads,
-                  head_dim)
+@dataclass(frozen=True)
+class Pieces:
+    """What a forward runs between its attentions: `first` (layer 0's norm, q/k/v, RoPE and cache writes), `between`
+    (a layer's o_proj, residual and MLP, then the next layer's `first`), `last` (the last layer's o_proj, residual,
+    MLP and the final norm). `EAGER`'s, or compiled (specdec/exec/graphs.py): one compiled graph then spans an
+    attention's output to the next attention's input, so a layer's residual add fuses with the next layer's norm
+    and RoPE with the cache writes. The attention itself runs between them, eagerly (`_layers`)."""
+
+    first: Callable
+    between: Callable
+    last: Callable
+
+
+def _first(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+           head_dim: int, eps: float, keys: torch.Tensor, values: torch.Tensor, at: tuple) -> torch.Tensor:
+    """Norm, fused q/k/v projection and RoPE of a layer's input x [n, t, d]; k and v written into the layer's `keys`
+    and `values` at `at` (specdec/exec/cache.py's `put`). Returns q [n, heads, t, hd]."""
+    q, k, v = _heads(F.linear(rms_norm(x, layer.ln1, eps), layer.qkv, layer.qkv_bias), cos, sin, heads, kv_heads,
+                     head_dim)
+    put(keys, values, at, k, v)
+    return q
 
 
 def _heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
@@ -198,46 +214,32 @@ def _layer_out(x: torch.Tensor, layer: Layer, o: torch.Tensor, eps: float) -> to
     return x + (down if layer.reduce is None else layer.reduce(down))
 
 
-def layer_forward(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
-                  pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
-    """Decoder layer `index` over a window of cache rows: x [n, t, d] -> [n, t, d]. Writes the rows' keys and
-    values where `kv` (the cache's view of this forward, specdec/exec/cache.py) puts them and attends over the slots it
-    reads (kv_len = mask.shape[-1]). `pre` (norm, q/k/v, RoPE) and `post` (o_proj, MLP) may be compiled versions
-    (specdec/exec/graphs.py): the cache writes and the attention stay outside them, so no compiled code sees the cache's
-    or the mask's lengths."""
-    q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
-    kv.write(index, k, v)
-    return post(x, layer, kv.attend(index, q) if kv.attends else _attend(q, *kv.read(index), mask), eps)
+def _between(x: torch.Tensor, o: torch.Tensor, layer: Layer, following: Layer, cos: torch.Tensor, sin: torch.Tensor,
+             heads: int, kv_heads: int, head_dim: int, eps: float, keys: torch.Tensor, values: torch.Tensor,
+             at: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer`'s output from its attention's o, then the `following` layer's `_first` over it: (x, q)."""
+    x = _layer_out(x, layer, o, eps)
+    return x, _first(x, following, cos, sin, heads, kv_heads, head_dim, eps, keys, values, at)
 
 
-def layer_prefill(x: torch.Tensor, layer: Layer, kv: KVView, index: int, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
-                  pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
-    """Decoder layer `index` over fresh rows (their tokens from position 0): writes their keys and values where
-    `kv` puts them and attends causally within the forward's own tokens (nothing to read back). `pre`, `post`: as
-    `layer_forward`'s."""
-    q, k, v = pre(x, layer, cos, sin, heads, kv_heads, head_dim, eps)
-    kv.write(index, k, v)
-    return post(x, layer, _attend(q, k.transpose(1, 2), v.transpose(1, 2), mask), eps)
+def _last(x: torch.Tensor, o: torch.Tensor, layer: Layer, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """The last layer's output from its attention's o, after the final norm."""
+    return rms_norm(_layer_out(x, layer, o, eps), norm, eps)
 
 
-def layer_parts(flat: torch.Tensor, shapes: list[tuple[int, int]], layer: Layer, views: list[KVView], index: int,
-                cos: torch.Tensor, sin: torch.Tensor, masks: list[torch.Tensor], heads: int, kv_heads: int,
-                head_dim: int, eps: float, pre: Callable = _attention_in, post: Callable = _layer_out) -> torch.Tensor:
-    """Decoder layer `index` over several windows of cache rows at once, their tokens side by side: flat [1, T, d]
-    (window i's n_i x t_i tokens in turn, `shapes`) -> the same shape. The norms, projections, RoPE (cos, sin
-    [1, 1, T, hd]: each token's) and the MLP run once over every window's tokens (each weight read once: `pre` and
-    `post`, as `layer_forward`'s), the cache writes and attention per window (its view and mask)."""
-    q, k, v = pre(flat, layer, cos, sin, heads, kv_heads, head_dim, eps)  # [1, heads, T, hd], [1, T, kv_heads, hd]
-    outs, at = [], 0
-    for (n, t), kv, mask in zip(shapes, views, masks):
-        window = slice(at, at + n * t)
-        at += n * t
-        kv.write(index, k[0, window].view(n, t, kv_heads, head_dim), v[0, window].view(n, t, kv_heads, head_dim))
-        qi = q[0, :, window].view(heads, n, t, head_dim).transpose(0, 1)
-        outs.append(_attend(qi, *kv.read(index), mask).reshape(n * t, heads * head_dim))
-    return post(flat, layer, torch.cat(outs)[None], eps)
+EAGER = Pieces(_first, _between, _last)
+
+
+def _layers(w: LlamaWeights, x: torch.Tensor, pieces: Pieces, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+            at: tuple, attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [n, t, d] through every layer, then the final norm: `pieces` between the attentions, each layer's keys and
+    values written at `at` of its cache tensors, attend(index, q) the layer's attention output [n, t, heads * hd]."""
+    dims = (cos, sin, w.heads, w.kv_heads, w.head_dim, w.eps)
+    layers, k, v = w.layers, cache.k, cache.v
+    q = pieces.first(x, layers[0], *dims, k[0], v[0], at)
+    for i in range(len(layers) - 1):
+        x, q = pieces.between(x, attend(i, q), layers[i], layers[i + 1], *dims, k[i + 1], v[i + 1], at)
+    return pieces.last(x, attend(len(layers) - 1, q), layers[-1], w.norm, w.eps)
 
 
 def _rope_and_mask(w: LlamaWeights, positions: torch.Tensor, kv_len: int | None):
@@ -264,16 +266,16 @@ def sdpa_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-            layer_fn=layer_forward, slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            pieces: Pieces = EAGER, slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
             start: int = 0, attend: bool = False) -> torch.Tensor:
     """Hidden states [n, t, d] after the final norm, for cache rows [start, start + n).
 
     Token j of row i is written at slot positions[i, j] (clamped into the cache's rows) and attends to slots
-    0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `layer_fn`
-    runs each layer (`layer_forward`, or a compiled version of it: every layer has the same shapes, so one compiled
-    function serves them all). A token tree (specdec/spec/trees.py) gives the `slots` its tokens are written at
-    (default: their positions) and its own `mask` [n, 1, t, >= kv_len]. `attend`: the cache's own attention where
-    it has one (a captured step's: `KVCache.view`), for chains.
+    0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `pieces`
+    run between the attentions (`EAGER`, or compiled: every layer has the same shapes, so one compiled function
+    serves them all). A token tree (specdec/spec/trees.py) gives the `slots` its tokens are written at (default:
+    their positions) and its own `mask` [n, 1, t, >= kv_len]. `attend`: the cache's own attention where it has one
+    (a captured step's: `KVCache.view`), for chains.
     """
     n = tokens.shape[0]
     positions = positions.clamp(max=cache.max_len - 1)
@@ -283,18 +285,20 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     cos, sin, causal = _rope_and_mask(w, positions, None if kv.attends else kv_len)  # (the cache's own masks)
     if mask is not None:
         causal = sdpa_mask(mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
-    x = embed(w, tokens)
-    for index, layer in enumerate(w.layers):
-        x = layer_fn(x, layer, kv, index, cos, sin, causal, w.heads, w.kv_heads, w.head_dim, w.eps)
-    return rms_norm(x, w.norm, w.eps)
+
+    def attention(index: int, q: torch.Tensor) -> torch.Tensor:
+        return kv.attend(index, q) if kv.attends else _attend(q, *kv.read(index), causal)
+
+    return _layers(w, embed(w, tokens), pieces, cos, sin, cache, kv.at, attention)
 
 
 def forward_parts(w: LlamaWeights, cache: KVCache, parts: list[tuple[torch.Tensor, torch.Tensor, int, int]],
-                  pre: Callable = _attention_in, post: Callable = _layer_out) -> list[torch.Tensor]:
+                  pieces: Pieces = EAGER) -> list[torch.Tensor]:
     """`forward` over several windows of cache rows in one pass over the weights: parts (tokens [n_i, t_i],
     positions [n_i, t_i], kv_len, start) -> hidden states [n_i, t_i, d] after the final norm, each as `forward`
-    gives it (rows at different lengths, a prefill's tail beside a round's step: every layer's halves take all
-    their tokens together, `layer_parts`)."""
+    gives it (rows at different lengths, a prefill's tail beside a round's step). The pieces between the attentions
+    take every window's tokens side by side, [1, T, d] (each weight read once); the attention runs per window (its
+    view and mask)."""
     shapes = [tuple(tokens.shape) for tokens, _, _, _ in parts]
     views, ropes, masks = [], [], []
     for tokens, positions, kv_len, start in parts:
@@ -305,22 +309,23 @@ def forward_parts(w: LlamaWeights, cache: KVCache, parts: list[tuple[torch.Tenso
         masks.append(mask)
     cos, sin = (torch.cat([r[i].reshape(-1, w.head_dim) for r in ropes])[None, None] for i in (0, 1))
     x = torch.cat([embed(w, tokens).flatten(0, 1) for tokens, _, _, _ in parts])[None]  # [1, T, d]
-    for index, layer in enumerate(w.layers):
-        x = layer_parts(x, shapes, layer, views, index, cos, sin, masks, w.heads, w.kv_heads, w.head_dim, w.eps,
-                        pre, post)
-    x = rms_norm(x, w.norm, w.eps)[0]
+
+    def attention(index: int, q: torch.Tensor) -> torch.Tensor:  # q [1, heads, T, hd]
+        outs, at = [], 0
+        for (n, t), kv, mask in zip(shapes, views, masks):
+            qi = q[0, :, at:at + n * t].view(w.heads, n, t, w.head_dim).transpose(0, 1)
+            outs.append(_attend(qi, *kv.read(index), mask).reshape(n * t, w.heads * w.head_dim))
+            at += n * t
+        return torch.cat(outs)[None]
+
+    x = _layers(w, x, pieces, cos, sin, cache, side_by_side(views, shapes), attention)[0]
     return [h.view(n, t, -1) for h, (n, t) in zip(x.split([n * t for n, t in shapes]), shapes)]
 
 
-def prefill(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, start: int,
-            layer_fn=layer_prefill) -> torch.Tensor:
+def prefill(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, start: int, pieces: Pieces = EAGER) -> torch.Tensor:
     """Fill cache rows [start, start + n) with tokens [n, t] at positions 0..t-1 (right padding past a row's
-    length writes slots that are masked until overwritten); returns the hidden states [n, t, d]."""
+    length writes slots that are masked until overwritten); returns the hidden states [n, t, d] after the final
+    norm. Each layer attends over the slots it has just written."""
     n, t = tokens.shape
     positions = torch.arange(t, device=tokens.device)[None, :].expand(n, t)
-    cos, sin, mask = _rope_and_mask(w, positions, t)
-    kv = cache.view(start, start + n, positions.clamp(max=cache.max_len - 1), 0)
-    x = embed(w, tokens)
-    for index, layer in enumerate(w.layers):
-        x = layer_fn(x, layer, kv, index, cos, sin, mask, w.heads, w.kv_heads, w.head_dim, w.eps)
-    return rms_norm(x, w.norm, w.eps)
+    return forward(w, cache, tokens, positions, t, pieces, start=start)

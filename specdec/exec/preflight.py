@@ -14,7 +14,7 @@ import torch
 
 from . import llama, memory
 from .cache import RaggedKVCache
-from .graphs import compiled_layer
+from .graphs import compiled_pieces
 from .runner import ModelRunner, mismatch
 
 NO_GPU = "n/a (no GPU)"
@@ -76,7 +76,7 @@ def step_paths(engine) -> list[dict]:
 
     def run(graphs: bool, compiled: bool):
         runner = ModelRunner(target, RaggedKVCache(target, 2, 130), *head, graphs=graphs)
-        runner.layer = compiled_layer() if compiled else llama.layer_forward
+        runner.pieces = compiled_pieces() if compiled else llama.EAGER
         runner.prefill(prefix, 0, 2)
         for _ in range(2):  # the first call of a shape is checked (and may fall back), the second is the path's own
             (logits, _), seconds = _timed(lambda: runner.step(step, positions, 16), device)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from . import llama
 from .cache import KVCache, forward_hidden
-from .graphs import StepGraphs, compiled_halves, compiled_layer, pow2_at_least
+from .graphs import StepGraphs, compiled_pieces, pow2_at_least
 
 if TYPE_CHECKING:
     from .inputs import Join
@@ -50,11 +50,11 @@ class ModelRunner:
     # times (its last rows) cost no capture inside it, shapes it meets often pay theirs once
     COVER_STEPS = 32
 
-    # run the lean layer through torch.compile: None on GPUs only (on CPU it is slower), True / False always /
-    # never (bench/step_speed.py compares: fast, fast-uncompiled, fast-compiled)
+    # run the lean forward's pieces between the attentions through torch.compile: None on GPUs only (on CPU it is
+    # slower), True / False always / never (bench/step_speed.py compares: fast, fast-uncompiled, fast-compiled)
     compile_layers: bool | None = None
-    # where the layer is compiled, forwards no graph captures (prefills, rows joining a round) run through its compiled
-    # halves too (False: eagerly; bench/step_speed.py's fast-joins-eager)
+    # where they are compiled, forwards no graph captures (prefills, rows joining a round) run through them too
+    # (False: eagerly; bench/step_speed.py's fast-joins-eager)
     compile_prefills: bool = True
 
     def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
@@ -80,7 +80,7 @@ class ModelRunner:
             graphs = (cuda or fault is not None) and self.lean is not None
         self.graphs = StepGraphs(self.device) if graphs else None
         compile = cuda if self.compile_layers is None else self.compile_layers
-        self.layer = compiled_layer() if compile and self.lean is not None else llama.layer_forward
+        self.pieces = compiled_pieces() if compile and self.lean is not None else llama.EAGER
         self.checked: set[tuple] = set()  # shapes whose fast step matched eager
         self.eager: dict[tuple, str] = {}  # shapes sent to the eager path, with the reason
         self.errors: dict[tuple, float] = {}  # each checked shape's relative error against eager (`relative_error`)
@@ -108,8 +108,8 @@ class ModelRunner:
         if offsets is not None:
             hidden = self._extend(tokens, start, end, offsets)
         elif self.lean is not None:
-            hidden = self._halves(*tokens.shape, lambda pre, post: llama.prefill(
-                self.lean, self.cache, tokens, start, partial(llama.layer_prefill, pre=pre, post=post)))
+            hidden = self._compiled(*tokens.shape, lambda pieces: llama.prefill(
+                self.lean, self.cache, tokens, start, pieces))
         else:
             t = tokens.shape[1]
             positions = torch.arange(t, device=self.device)[None, :].expand(end - start, t)
@@ -133,25 +133,23 @@ class ModelRunner:
             + torch.arange(t, device=self.device)
         kv_len = min(int(np.max(offsets)) + t, self.cache.max_len)
         if self.lean is not None:
-            return self._halves(end - start, t, lambda pre, post: llama.forward(
-                self.lean, self.cache, tokens, positions, kv_len, partial(llama.layer_forward, pre=pre, post=post),
-                start=start))
+            return self._compiled(end - start, t, lambda pieces: llama.forward(
+                self.lean, self.cache, tokens, positions, kv_len, pieces, start=start))
         return forward_hidden(self.model, self.cache, tokens, positions, start, end, kv_len)
 
     @property
-    def _prefill_halves(self) -> bool:
-        """Whether forwards no graph captures run the compiled halves: the layer is compiled, and `compile_prefills`."""
-        return self.layer is not llama.layer_forward and self.compile_prefills
+    def _prefill_compiled(self) -> bool:
+        """Whether forwards no graph captures run the compiled pieces: they are compiled, and `compile_prefills`."""
+        return self.pieces is not llama.EAGER and self.compile_prefills
 
-    def _halves(self, n: int, t: int, forward: Callable):
-        """forward(pre, post), a forward no graph captures (a prefill, rows joining a round) whose layers' halves
-        see n rows x t tokens: through the compiled halves where `_prefill_halves`, checked as a step of their
-        compilation is (`_checked`, under the key a step of n x t has off the graphs); else eagerly."""
-        eager = partial(forward, llama._attention_in, llama._layer_out)
-        if not self._prefill_halves:
+    def _compiled(self, n: int, t: int, forward: Callable):
+        """forward(pieces), a forward no graph captures (a prefill, rows joining a round) whose pieces see n rows x
+        t tokens: through the compiled pieces where `_prefill_compiled`, checked as a step of their compilation is
+        (`_checked`, under the key a step of n x t has off the graphs); else eagerly."""
+        eager = partial(forward, llama.EAGER)
+        if not self._prefill_compiled:
             return eager()
-        return self._checked(("layer", n > 1, t > 1, False), lambda: forward(*compiled_halves()), eager,
-                             compared=_rows)
+        return self._checked(("layer", n > 1, t > 1, False), lambda: forward(self.pieces), eager, compared=_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output head over hidden states [..., d] -> [..., vocab]."""
@@ -170,7 +168,7 @@ class ModelRunner:
         n, t = tokens.shape
         kv_len = min(kv_len, self.cache.max_len)
         eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
-                        layer=llama.layer_forward)
+                        pieces=llama.EAGER)
         graphed = self.graphs is not None and t <= self.max_graph_width and mask is None
         if graphed:
             key = self.key(n, t, kv_len, last is None)
@@ -187,7 +185,7 @@ class ModelRunner:
         else:
             key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations
             fast = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask)
-        if not graphed and self.layer is llama.layer_forward:
+        if not graphed and self.pieces is llama.EAGER:
             return eager()
         return self._checked(key, fast, eager, self._checks(graphed))
 
@@ -241,10 +239,10 @@ class ModelRunner:
             ran += 1
         return ran
 
-    def warm_halves(self) -> None:
-        """Compile now, and check against eager, what prefills and joining rows meet of the compiled halves (one row
+    def warm_pieces(self) -> None:
+        """Compile now, and check against eager, what prefills and joining rows meet of the compiled pieces (one row
         or more, several tokens): over junk tokens in cache rows [0, 2), before rows join (as `capture` writes)."""
-        if not self._prefill_halves:
+        if not self._prefill_compiled:
             return
         for n in sorted({1, min(2, self.cache.rows)}):
             junk = torch.zeros((n, 2), dtype=torch.int64, device=self.device)
@@ -259,8 +257,8 @@ class ModelRunner:
         parts = ([(tokens, positions, min(kv_len, most), 0)] if n else []) \
             + [(join.tokens, join.positions, min(join.kv_len, most), join.start)]
         if self.lean is not None:
-            hidden = self._halves(1, sum(t.numel() for t, _, _, _ in parts),
-                                  lambda pre, post: llama.forward_parts(self.lean, self.cache, parts, pre, post))
+            hidden = self._compiled(1, sum(t.numel() for t, _, _, _ in parts),
+                                    lambda pieces: llama.forward_parts(self.lean, self.cache, parts, pieces))
         else:
             hidden = [forward_hidden(self.model, self.cache, t, p, start, start + t.shape[0], kv)
                       for t, p, kv, start in parts]
@@ -270,7 +268,7 @@ class ModelRunner:
     def _checks(self, graphed: bool) -> bool:
         """Whether a shape's first fast step is checked: where graphs are captured or the layer compiled (on
         CPU the static steps are the eager computation), or when a test injects a fault."""
-        return (graphed and self.graphs.capture) or self.layer is not llama.layer_forward \
+        return (graphed and self.graphs.capture) or self.pieces is not llama.EAGER \
             or self.fault is not None
 
     def _first(self, key: tuple, fast, eager, compared: Callable = itemgetter(0)):
@@ -302,10 +300,10 @@ class ModelRunner:
                             key, why)
         return ref
 
-    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, layer=None, attend=False):
+    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, pieces=None, attend=False):
         if self.lean is not None:
-            hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, layer or self.layer, slots, mask,
-                                   attend=attend)
+            hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, pieces or self.pieces, slots,
+                                   mask, attend=attend)
         else:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:

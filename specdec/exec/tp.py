@@ -123,7 +123,7 @@ class ShardRunner(ModelRunner):
 
     def __init__(self, shard: ShardedModel, cache: RaggedKVCache, group: Group):
         super().__init__(shard, cache, shard.head, None, graphs=False, weights=shard.weights)
-        self.layer = llama.layer_forward  # eager: the all-reduces are not compiled
+        self.pieces = llama.EAGER  # eager: the all-reduces are not compiled
         self.group = group
         self.vocab = shard.vocab_rows
 

@@ -1,0 +1,81 @@
+"""The kernels a decoder layer of a decode step runs through the lean forward with its compiled code, counted on a
+CPU's inductor for any checkout (ROOT, default: this one): the compute ops torch.profiler records that run no
+compute op inside (inductor's fused kernels, the matrix products, eager ops such as the cache writes and the
+attention), over one warm forward of n rows x 1 token, at 2 and at 4 layers: half the difference is a layer's.
+Counted, not timed. On a GPU, inductor's Triton fuses differently (bench/step_speed.py --kernels lists a step's).
+
+    [ROOT=CHECKOUT] python bench/results/layer_kernels_at.py [--rows 1,4]
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+ROOT = os.environ.get("ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch._inductor.config as inductor  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from specdec.exec import graphs, llama  # noqa: E402
+from specdec.exec.cache import RaggedKVCache  # noqa: E402
+
+inductor.cpp.enable_kernel_profile = True  # each fused kernel an event of its own
+FREE = {"as_strided", "view", "empty", "empty_strided", "resolve_conj", "resolve_neg", "scalar_tensor", "lift_fresh",
+        "_reshape_alias", "reshape", "expand", "transpose", "slice", "select", "unsqueeze", "squeeze", "permute", "t",
+        "detach", "alias", "unbind", "split", "split_with_sizes", "chunk", "narrow", "_unsafe_view", "to",
+        "contiguous", "empty_like", "result_type", "item", "_local_scalar_dense", "unflatten", "flatten", "view_as",
+        "expand_as", "matmul", "linear", "scaled_dot_product_attention"}  # no kernel of their own, or one inside
+
+
+def compute(event) -> bool:
+    if "cpp_fused" in event.name:
+        return True
+    return event.name.startswith("aten::") and event.name[6:] not in FREE
+
+
+def inside(event):
+    for child in event.cpu_children:
+        yield child
+        yield from inside(child)
+
+
+def kernels(layers: int, rows: int) -> collections.Counter:
+    """The innermost compute ops of one warm decode forward of `rows` rows over a random `layers`-layer model."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    w, cache = llama.load_weights(model), RaggedKVCache(model, 4, 128)
+    tokens, positions = torch.randint(0, 256, (rows, 1)), torch.full((rows, 1), 5)
+    if hasattr(graphs, "compiled_pieces"):  # since the pieces between attentions (2026-11-29)
+        def run():
+            return llama.forward(w, cache, tokens, positions, 64, graphs.compiled_pieces())
+    else:  # the layer's two halves around its cache writes and attention
+        def run():
+            return llama.forward(w, cache, tokens, positions, 64, graphs.compiled_layer())
+    with torch.inference_mode():
+        for _ in range(2):
+            run()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    return collections.Counter(e.name for e in prof.events() if compute(e) and not any(map(compute, inside(e))))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4")
+    args = ap.parse_args()
+    for rows in map(int, args.rows.split(",")):
+        two, four = kernels(2, rows), kernels(4, rows)
+        per = {name: (four[name] - two[name]) / 2 for name in four.keys() | two.keys() if four[name] != two[name]}
+        names = ", ".join(f"{n:g} {name.split('cpp_fused_')[-1][:48]}" for name, n in
+                          sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))
+        print(f"rows {rows}: {sum(per.values()):g} kernels a layer: {names}")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,10 +17,10 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 - fast-joins: fast over a job as jobs run: four prompts per row of the batch (the batch's own, rotated), each row
   its own max_new_tokens (a quarter of `--max-new` to all of it), so that rows end at different rounds and queued
   ones join, their prefill's tail in a round's forward (not a captured step: on a GPU through the compiled
-  layer's halves); tok/s against `fast` says what joining rows cost; fast-joins-eager: the same with those
+  pieces); tok/s against `fast` says what joining rows cost; fast-joins-eager: the same with those
   forwards eager (`ModelRunner.compile_prefills = False`);
 - fast-gemv: fast with the matrix products of steps of up to 8 tokens through bench/gemv.py's Triton kernel
-  instead of cuBLAS (a custom op inside the compiled halves; on a CPU interpreted: a check, not a speed); batches
+  instead of cuBLAS (a custom op inside the compiled pieces; on a CPU interpreted: a check, not a speed); batches
   of up to 8 rows only (beyond, it is fast);
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
@@ -29,8 +29,10 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 - hf eager / hf compiled: transformers' generate, dynamic cache / static cache + torch.compile.
 `--target` loads the real SmolLM2 weights for the smollm2 shape (default: random weights of its shape).
 The HBM roofline column is weight bytes / measured copy bandwidth: what one step reading every weight
-once allows at batch 1. `busy` (our paths, on a GPU): the device's time on the rounds (CUDA events from each
-round's start to its read-back) over the wall time: 1 - busy is the share of a step the device waits for the host.
+once allows at batch 1 (each shape's header line: that step's milliseconds). `busy` (our paths, on a GPU): the
+device's time on the rounds (CUDA events from each round's start to its read-back) over the wall time: 1 - busy is
+the share of a step the device waits for the host; `round ms`: that device time a round (a step, here), prefills
+left out: against the header's step, how far the step's kernels are from reading every weight once.
 `--kernels TOP`: after each shape's first row (its first path at its first batch size; and fast-gemv's), one more
 generate() under torch.profiler lists what its steps run: kernels per step, device ms per step, and the TOP kernels
 by device time (on a CPU: ops by CPU time). Prints as it goes; stops starting new rows after --deadline seconds.
@@ -138,10 +140,10 @@ def timed(fn) -> float:
 
 
 def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: int = 0,
-                 ) -> tuple[float, float, str, float | None, list[str]]:
+                 ) -> tuple[float, float, str, tuple[float, float] | None, list[str]]:
     """(tok/s, seconds of the untimed first run: compilation and capture, the engine's step path, the device's
-    busy fraction: None off CUDA, and with `kernels` the top kernels of its steps: `kernel_table`) of
-    `method: none` on a path."""
+    busy fraction and milliseconds a round: None off CUDA, and with `kernels` the top kernels of its steps:
+    `kernel_table`) of `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
     ModelRunner.compile_prefills = path != "fast-joins-eager"
     paged = re.fullmatch(r"fast-paged(-flex)?(\d*)", path)
@@ -163,10 +165,11 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
                          kv_cache="paged" if paged else "dense", paged_attention="flex" if paged and paged[1] else
                          "gather", kv_block=int(paged[2]) if paged and paged[2] else 16)
         first = timed(lambda: eng.generate(prompts, params=params))
-        eng.context.staging.device_s = 0.0
+        eng.context.staging.device_s, before = 0.0, eng.context.staging.rounds
         wall = timed(lambda: eng.generate(prompts, params=params))
         ModelRunner.compile_layers, ModelRunner.compile_prefills = None, True
-        busy = eng.context.staging.device_s / wall if model.device.type == "cuda" else None
+        device_s, rounds = eng.context.staging.device_s, max(1, eng.context.staging.rounds - before)
+        busy = (device_s / wall, device_s / rounds * 1e3) if model.device.type == "cuda" else None
         table = kernel_table(eng, prompts, kernels) if kernels else []
     tokens = batch * max_new if params is None else sum(p.max_new_tokens for p in params)
     return tokens / wall, first, eng.step_path, busy, table
@@ -237,13 +240,14 @@ def main():
     log(args.out, f"# {args.prompt_len}-token random prompts, {args.max_new} new tokens per row, greedy, {args.dtype}; "
                   f"copy bandwidth {bw / 1e12:.2f} TB/s")
     log(args.out, f"{'shape':8s} {'path':17s} {'batch':>5s} {'tok/s':>9s} {'of roofline':>11s} "
-                  f"{'first run s':>11s} {'busy':>5s}  step path")
+                  f"{'first run s':>11s} {'busy':>5s} {'round ms':>8s}  step path")
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.deadline:
             break
         model = real_target(device, args.dtype) if shape == "smollm2" and args.target else random_model(shape, device, dtype)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         roof = bw / weight_bytes  # steps per second reading every weight once (bw counts bytes read + written)
+        log(args.out, f"# {shape}: {weight_bytes / 1e9:.2f} GB of weights, a step reading them once {1e3 / roof:.3f} ms")
         g = torch.Generator().manual_seed(1)
         batches = [int(b) for b in args.batches.split(",")]
         prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt_len), generator=g).tolist()
@@ -277,8 +281,8 @@ def main():
                 continue
             got[name, batch] = tok_s
             rl = f"{tok_s / roof:.2f}" if batch == 1 else "-"
-            bz = "-" if busy is None else f"{busy:.2f}"
-            log(args.out, f"{shape:8s} {name:17s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s}  "
+            bz, ms = ("-", "-") if busy is None else (f"{busy[0]:.2f}", f"{busy[1]:.3f}")
+            log(args.out, f"{shape:8s} {name:17s} {batch:5d} {tok_s:9.1f} {rl:>11s} {first:11.1f} {bz:>5s} {ms:>8s}  "
                           f"{step_path}")
             for line in table:
                 log(args.out, line)

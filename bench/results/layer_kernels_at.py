@@ -1,10 +1,11 @@
 """The kernels a decoder layer of a decode step runs through the lean forward with its compiled code, counted on a
 CPU's inductor for any checkout (ROOT, default: this one): the compute ops torch.profiler records that run no
 compute op inside (inductor's fused kernels, the matrix products, eager ops such as the cache writes and the
-attention), over one warm forward of n rows x 1 token, at 2 and at 4 layers: half the difference is a layer's.
+attention), over one warm forward of n rows x t tokens (t > 1: a speculative round's verification), at 2 and at 4
+layers: half the difference is a layer's.
 Counted, not timed. On a GPU, inductor's Triton fuses differently (bench/step_speed.py --kernels lists a step's).
 
-    [ROOT=CHECKOUT] python bench/results/layer_kernels_at.py [--rows 1,4]
+    [ROOT=CHECKOUT] python bench/results/layer_kernels_at.py [--rows 1,4] [--tokens 1]
 """
 
 import argparse
@@ -43,14 +44,15 @@ def inside(event):
         yield from inside(child)
 
 
-def kernels(layers: int, rows: int) -> collections.Counter:
-    """The innermost compute ops of one warm decode forward of `rows` rows over a random `layers`-layer model."""
+def kernels(layers: int, rows: int, width: int = 1) -> collections.Counter:
+    """The innermost compute ops of one warm forward of `rows` rows x `width` tokens over a random `layers`-layer
+    model."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
     model = LlamaForCausalLM(cfg).eval()
     w, cache = llama.load_weights(model), RaggedKVCache(model, 4, 128)
-    tokens, positions = torch.randint(0, 256, (rows, 1)), torch.full((rows, 1), 5)
+    tokens, positions = torch.randint(0, 256, (rows, width)), 5 + torch.arange(width).expand(rows, width)
     if hasattr(graphs, "compiled_pieces"):  # since the pieces between attentions (2026-11-29)
         def run():
             return llama.forward(w, cache, tokens, positions, 64, graphs.compiled_pieces())
@@ -68,13 +70,14 @@ def kernels(layers: int, rows: int) -> collections.Counter:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--tokens", default="1", help="tokens a row (1: a decode step)")
     args = ap.parse_args()
-    for rows in map(int, args.rows.split(",")):
-        two, four = kernels(2, rows), kernels(4, rows)
+    for rows, width in ((r, t) for t in map(int, args.tokens.split(",")) for r in map(int, args.rows.split(","))):
+        two, four = kernels(2, rows, width), kernels(4, rows, width)
         per = {name: (four[name] - two[name]) / 2 for name in four.keys() | two.keys() if four[name] != two[name]}
         names = ", ".join(f"{n:g} {name.split('cpp_fused_')[-1][:48]}" for name, n in
                           sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))
-        print(f"rows {rows}: {sum(per.values()):g} kernels a layer: {names}")
+        print(f"rows {rows} x {width} tokens: {sum(per.values()):g} kernels a layer: {names}")
 
 
 if __name__ == "__main__":

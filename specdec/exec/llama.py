@@ -183,13 +183,14 @@ def _first(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, 
 
 def _heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
     """The fused projection's output [n, t, (heads + 2 kv_heads) hd] split into heads, RoPE applied: q [n, heads,
-    t, hd], k and v [n, t, kv_heads, hd]."""
+    t, hd] (contiguous: the attention groups its heads with a view, and compiled RoPE writes it so in its kernel),
+    k and v [n, t, kv_heads, hd]."""
     n, t, _ = qkv.shape
     nh, nk, hd = heads, kv_heads, head_dim
     q, k, v = qkv.split([nh * hd, nk * hd, nk * hd], dim=-1)
     q = q.view(n, t, nh, hd).transpose(1, 2)
     k = k.view(n, t, nk, hd).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
+    q = (q * cos + _rotate_half(q) * sin).contiguous()
     k = k * cos + _rotate_half(k) * sin
     return q, k.transpose(1, 2), v.view(n, t, nk, hd)
 

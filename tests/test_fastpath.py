@@ -93,6 +93,33 @@ def test_one_forward_over_a_step_and_joining_rows_computes_what_two_do(target, l
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_the_compiled_pieces_write_the_cache_where_it_lies(target, layout):
+    """The compiled pieces write a step's keys and values into the cache in place: no forward allocates anything the
+    size of a cache layer (a write through a copy of the layer, copied back, would move the whole cache twice a
+    layer: on a GPU, more bytes than the weights), and the cache holds what the eager pieces write."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specdec.exec import graphs
+
+    prefill, step, positions = ragged_inputs()
+    w = llama.load_weights(target)
+    eager, compiled = cache_of(target, layout, max_len=2048), cache_of(target, layout, max_len=2048)
+    layer = compiled.k[0].numel() * compiled.k[0].element_size()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with torch.inference_mode():
+        for cache, pieces in ((eager, llama.EAGER), (compiled, graphs.compiled_pieces())):
+            llama.prefill(w, cache, prefill, 0, pieces)
+            llama.forward(w, cache, step, positions, 23, pieces)  # (compiled here)
+        with profile(activities=activities, profile_memory=True) as prof:
+            llama.forward(w, compiled, step, positions + 3, 26, graphs.compiled_pieces())
+        llama.forward(w, eager, step, positions + 3, 26)
+    largest = max(max(e.cpu_memory_usage, e.device_memory_usage) for e in prof.events())
+    assert 0 < largest < layer / 8, (largest, layer)  # (0: the profiler saw no allocation at all)
+    for x, y in zip(held(eager, 3, 29), held(compiled, 3, 29)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("chunk", [2048, None])
 def test_rows_that_join_end_their_prefills_in_the_rounds_forward(target, prompts, reference, chunk, monkeypatch):
     """Rows joining a batch (prompts within one prefill chunk, or no chunks) take no target forward of their own:

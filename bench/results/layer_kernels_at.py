@@ -14,12 +14,12 @@ import os
 import sys
 
 ROOT = os.environ.get("ROOT", os.path.join(os.path.dirname(__file__), "..", ".."))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
 import torch._inductor.config as inductor  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from engine_models import tiny_llama  # noqa: E402
 
 from specdec.exec import graphs, llama  # noqa: E402
 from specdec.exec.cache import RaggedKVCache  # noqa: E402
@@ -45,14 +45,11 @@ def inside(event):
 
 
 def kernels(layers: int, rows: int, width: int = 1) -> collections.Counter:
-    """The innermost compute ops of one warm forward of `rows` rows x `width` tokens over a random `layers`-layer
-    model."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).eval()
+    """The innermost compute ops of one warm forward of `rows` rows x `width` tokens over the tests' tiny random
+    model with `layers` layers."""
+    model = tiny_llama(layers=layers)
     w, cache = llama.load_weights(model), RaggedKVCache(model, 4, 128)
-    tokens, positions = torch.randint(0, 256, (rows, width)), 5 + torch.arange(width).expand(rows, width)
+    tokens, positions = torch.randint(0, 96, (rows, width)), 5 + torch.arange(width).expand(rows, width)
     if hasattr(graphs, "compiled_pieces"):  # since the pieces between attentions (2026-11-29)
         def run():
             return llama.forward(w, cache, tokens, positions, 64, graphs.compiled_pieces())

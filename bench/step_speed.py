@@ -22,6 +22,9 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
 - fast-gemv: fast with the matrix products of steps of up to 8 tokens through bench/gemv.py's Triton kernel
   instead of cuBLAS (a custom op inside the compiled pieces; on a CPU interpreted: a check, not a speed); batches
   of up to 8 rows only (beyond, it is fast);
+- fast-fused: fast with the steps of up to 8 tokens through specdec/exec/fused.py's kernels (each matrix product
+  with the norm or SwiGLU before it and the bias and residual after it: ~6 kernels a layer where the compiled pieces
+  launch ~10; `ModelRunner.fuse_products`); batches of up to 8 rows only;
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;
   a block size after either (fast-paged-flex128): blocks of that many slots (`kv_block`; default 16);
@@ -33,7 +36,8 @@ once allows at batch 1 (each shape's header line: that step's milliseconds). `bu
 device's time on the rounds (CUDA events from each round's start to its read-back) over the wall time: 1 - busy is
 the share of a step the device waits for the host; `round ms`: that device time a round (a step, here), prefills
 left out: against the header's step, how far the step's kernels are from reading every weight once.
-`--kernels TOP`: after each shape's first row (its first path at its first batch size; and fast-gemv's), one more
+`--kernels TOP`: after each shape's first row (its first path at its first batch size; and fast-gemv's and
+fast-fused's), one more
 generate() under torch.profiler lists what its steps run: kernels per step, device ms per step, and the TOP kernels
 by device time (on a CPU: ops by CPU time). Prints as it goes; stops starting new rows after --deadline seconds.
 """
@@ -55,6 +59,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.exec.models import ModelPair  # noqa: E402
+from specdec.exec import fused  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 
 SHAPES = {  # LlamaConfig fields of each shape
@@ -146,6 +151,7 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
     `kernel_table`) of `method: none` on a path."""
     ModelRunner.compile_layers = {"fast-uncompiled": False, "fast-compiled": True}.get(path)
     ModelRunner.compile_prefills = path != "fast-joins-eager"
+    ModelRunner.fuse_products = path == "fast-fused"
     paged = re.fullmatch(r"fast-paged(-flex)?(\d*)", path)
     params = None
     if path.startswith("fast-joins"):  # rows that end at different rounds, and queued ones that join
@@ -167,7 +173,7 @@ def engine_tok_s(model, path: str, batch: int, prompts, max_new: int, kernels: i
         first = timed(lambda: eng.generate(prompts, params=params))
         eng.context.staging.device_s, before = 0.0, eng.context.staging.rounds
         wall = timed(lambda: eng.generate(prompts, params=params))
-        ModelRunner.compile_layers, ModelRunner.compile_prefills = None, True
+        ModelRunner.compile_layers, ModelRunner.compile_prefills, ModelRunner.fuse_products = None, True, False
         device_s, rounds = eng.context.staging.device_s, max(1, eng.context.staging.rounds - before)
         busy = (device_s / wall, device_s / rounds * 1e3) if model.device.type == "cuda" else None
         table = kernel_table(eng, prompts, kernels) if kernels else []
@@ -254,12 +260,12 @@ def main():
                    for b in batches}
         # each path over every batch size before the next path, transformers' references last: a deadline cuts
         # the references, not our own figures
-        most = 0  # fast-gemv: only batches whose steps take bench/gemv.py's kernel (beyond, it is fast)
+        most = {"fast-fused": fused.MAX_TOKENS}  # only batches whose steps take the kernels (beyond, it is fast)
         if "fast-gemv" in args.paths.split(","):
             import gemv  # (here, not at the top: it imports this module)
-            most = gemv.MAX_ROWS
+            most["fast-gemv"] = gemv.MAX_ROWS
         rows = [(p, "engine", b) for p in args.paths.split(",") if p for b in batches
-                if (p != "generic" or str(b) in args.generic_batches.split(",")) and (p != "fast-gemv" or b <= most)]
+                if (p != "generic" or str(b) in args.generic_batches.split(",")) and b <= most.get(p, b)]
         rows += [(f"hf {k}", "hf", b) for k in args.hf.split(",") if k for b in batches
                  if str(b) in args.hf_batches.split(",")]
         got: dict[tuple[str, int], float] = {}
@@ -269,7 +275,7 @@ def main():
                 break
             try:
                 if kind == "engine":
-                    first_row = (name, batch) == rows[0][::2] or (name == "fast-gemv" and batch == batches[0])
+                    first_row = (name, batch) == rows[0][::2] or (name in most and batch == batches[0])
                     profiled = args.kernels if first_row else 0
                     tok_s, first, step_path, busy, table = engine_tok_s(model, name, batch, prompts[batch],
                                                                         args.max_new, profiled)

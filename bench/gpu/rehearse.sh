@@ -26,7 +26,7 @@ fi
 export KIT_DEVICE=cpu KIT_TMP=$WORK/machine KIT_VIEW=$WORK/tree/bench/gpu/view KIT_VIEW_LOG=$WORK/refused.txt \
   KIT_BIG=${KIT_BIG:-tiny} KIT_SMALL=${KIT_SMALL:-tiny} KIT_BATCHES=${KIT_BATCHES:-1,8} KIT_MAX_NEW=${KIT_MAX_NEW:-4} \
   KIT_PROMPT_LEN=${KIT_PROMPT_LEN:-8} KIT_STEP_S=${KIT_STEP_S:-180} KIT_TEST_S=${KIT_TEST_S:-240} \
-  KIT_POLICY_S=${KIT_POLICY_S:-300} KIT_EQUAL_S=${KIT_EQUAL_S:-300} \
+  KIT_SMALL_S=${KIT_SMALL_S:-180} KIT_POLICY_S=${KIT_POLICY_S:-300} KIT_EQUAL_S=${KIT_EQUAL_S:-300} \
   KIT_EQUAL_ARGS=${KIT_EQUAL_ARGS:-"--batches 2 --methods none,generator --prompts 2 --max-new 4 --budget 8"} \
   KIT_TEST_K=${KIT_TEST_K:-"lean_forward_matches or mismatched_pair or row_processing_equals or random123 or allocated_length or plain_rounds_queue or different_rounds"} \
   KIT_POLICY_ARGS=${KIT_POLICY_ARGS:-"--batches 1 --policies fixed --ks 2 --prompts 1 --max-new 4 --repeats 1"} \

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run on the device machine, one stage a call, the three back to back (bench/gpu/README.md: the calls to paste
 # and their times; prepare.sh packs what they carry; rehearse.sh runs these same stages here, on CPU):
-#   first   step speed of the Llama-8B shape (random weights): our fast path, with cuBLAS's products and with
-#           bench/gemv.py's kernel, against transformers eager and static cache + compiled, and the HBM roofline;
-#           then the GPU tests, each file beside the others
-#           with its own budget
+#   first   step speed of the Llama-8B shape (random weights): our fast path, with cuBLAS's products, with
+#           bench/gemv.py's kernel and with specdec/exec/fused.py's fused products, against transformers eager and
+#           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others with its
+#           own budget
 #   second  the real target, from the first two calls' model parts: float32 greedy rows at batch 8 against
 #           transformers' (bench/greedy_equality.py: the CUDA batch-8 defect's scenario); step speed of the SmolLM2
-#           shape: the same as the first's, and our generic path; then the decoder's matrix products at decode
-#           shapes, cuBLAS against a Triton kernel (bench/gemv.py: Llama-8B and SmolLM2 linears, 1 and 8 rows)
+#           shape at batch 1: fast and fast-fused; then the decoder's matrix products at decode shapes, cuBLAS
+#           against a Triton kernel (bench/gemv.py: Llama-8B and SmolLM2 linears, 1 and 8 rows)
 #   third   the real pair, from the three calls' model parts: bench/policies.py with warm engines, then
 #           bench/round_profile.py (where a round's time goes, plain against k=2, batch 32)
 #   fourth  (when the lease has the time) where the machine stayed warm, prefix caching off and on with the real
@@ -24,17 +24,18 @@
 # $OUT/test_*.txt. Exit 0 unless a step failed or overran its budget (failing GPU tests are results).
 # Knobs, from the environment (the defaults are the lease's; rehearse.sh sets them for a CPU): KIT_DEVICE,
 # KIT_TMP (the machine's scratch folder), KIT_BIG and KIT_SMALL (step-speed shapes), KIT_BIG_PATHS, KIT_BATCHES,
-# KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k), KIT_POLICY_ARGS,
-# KIT_PROFILE_ARGS, KIT_GEMV_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in seconds KIT_STEP_S,
-# KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_GEMV_S, KIT_SHAPE_S, KIT_PREFIX_S, KIT_JOINS_S,
-# KIT_JOINS_BATCH, KIT_LOOKUP_S, KIT_LOOKUP_ARGS, and KIT_VIEW (a
-# folder put first on PYTHONPATH).
+# KIT_SMALL_BATCHES, KIT_MAX_NEW, KIT_PROMPT_LEN, KIT_HF (transformers' references), KIT_TEST_K (pytest -k),
+# KIT_POLICY_ARGS, KIT_PROFILE_ARGS, KIT_GEMV_ARGS, KIT_SHAPE_ARGS, KIT_EQUAL_ARGS, KIT_PREFIX_ARGS, budgets in
+# seconds KIT_STEP_S, KIT_SMALL_S, KIT_TEST_S, KIT_EQUAL_S, KIT_POLICY_S, KIT_PROFILE_S, KIT_GEMV_S, KIT_SHAPE_S,
+# KIT_PREFIX_S, KIT_JOINS_S, KIT_JOINS_BATCH, KIT_LOOKUP_S, KIT_LOOKUP_ARGS, and KIT_VIEW (a folder put first on
+# PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
 # the CUDA batch-8 equality check (issue 54) first, in a process of its own (its checks at batch 8 first: the
-# budget's SIGINT cuts the rest), the overlap tests in theirs
-TESTS="tests/test_greedy_batches.py tests/test_overlap.py tests/test_fastpath.py tests/test_engine.py tests/test_sampling.py+tests/test_noise.py+tests/test_capture.py tests/test_memory.py"
+# budget's SIGINT cuts the rest), the overlap tests and the fused products' in theirs
+TESTS="tests/test_greedy_batches.py tests/test_overlap.py+tests/test_fused.py tests/test_fastpath.py tests/test_engine.py
+tests/test_sampling.py+tests/test_noise.py+tests/test_capture.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}
@@ -93,9 +94,10 @@ step() {  # step NAME SECONDS COMMAND...: the command under a time limit (its ou
   [ "$rc" -eq 0 ] || FAILED="$FAILED $name:$rc"
 }
 
-step_speed() {  # step_speed SHAPE PATHS SECONDS: rows stop starting at 4/7 of the budget (the last, compiled, ~3/7)
+step_speed() {  # step_speed SHAPE PATHS SECONDS [BATCHES]: rows stop starting at 4/7 of the budget (the last,
+  # compiled, ~3/7)
   step "step_speed $1" "$3" python3 bench/step_speed.py --device "$DEVICE" --shapes "$1" --paths "$2" \
-    --batches "${KIT_BATCHES:-1,8,64}" --generic-batches 1 --hf "${KIT_HF:-eager,compiled}" --hf-batches 1 \
+    --batches "${4:-${KIT_BATCHES:-1,8,64}}" --generic-batches 1 --hf "${KIT_HF:-eager,compiled}" --hf-batches 1 \
     --max-new "${KIT_MAX_NEW:-128}" --prompt-len "${KIT_PROMPT_LEN:-128}" --deadline $(($3 * 4 / 7)) --kernels 12 \
     --out "$OUT/step_speed.txt"
 }
@@ -123,15 +125,15 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-gemv}" "${KIT_STEP_S:-120}"
+      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-gemv,fast-fused}" "${KIT_STEP_S:-120}"
       gpu_tests ;;
     second)
       wheels; keep; join_target
       step greedy_equality "${KIT_EQUAL_S:-45}" python3 bench/greedy_equality.py --device "$DEVICE" --draft none \
         ${KIT_EQUAL_ARGS:---batches 8 --methods none,generator} --out "$OUT/greedy_equality.txt"
-      step_speed "${KIT_SMALL:-smollm2}" fast,fast-serial,generic "${KIT_STEP_S:-20}"
-      step gemv "${KIT_GEMV_S:-45}" python3 bench/gemv.py --device "$DEVICE" \
-        ${KIT_GEMV_ARGS:---shapes llama8b,smollm2 --rows 1,8 --deadline 30} --out "$OUT/gemv.txt" ;;
+      step_speed "${KIT_SMALL:-smollm2}" fast,fast-fused "${KIT_SMALL_S:-35}" "${KIT_SMALL_BATCHES:-1}"
+      step gemv "${KIT_GEMV_S:-30}" python3 bench/gemv.py --device "$DEVICE" \
+        ${KIT_GEMV_ARGS:---shapes llama8b,smollm2 --rows 1,8 --deadline 20} --out "$OUT/gemv.txt" ;;
     third)
       wheels; keep; join_models
       STEP_OUT=$OUT/policies.txt step policies "${KIT_POLICY_S:-80}" python3 bench/policies.py --device "$DEVICE" \

@@ -74,6 +74,22 @@ def compiled_pieces():
     return _COMPILED["pieces"]
 
 
+def fused_pieces(compile: bool):
+    """The pieces of steps of at most `fused.MAX_TOKENS` tokens with the fused products (specdec/exec/fused.py), once
+    per process: RoPE with the cache writes and the final norm through torch.compile where `compile`."""
+    from . import fused, llama
+
+    key = f"fused-{compile}"
+    if key not in _COMPILED:
+        if compile:
+            compiled_pieces()  # (the settings its compilations need)
+            rope, norm = (torch.compile(f, dynamic=True, fullgraph=True) for f in (fused.rope_put, llama.rms_norm))
+            _COMPILED[key] = fused.pieces(rope, norm)
+        else:
+            _COMPILED[key] = fused.pieces()
+    return _COMPILED[key]
+
+
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream every capture in the process warms up and records on, per device. torch keeps a cuBLAS
     workspace (tens of MiB) for each stream that runs a matmul, for good: a fresh stream per capture (torch's pool

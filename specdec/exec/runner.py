@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import llama
+from . import fused, llama
 from .cache import KVCache, forward_hidden
-from .graphs import StepGraphs, compiled_pieces, pow2_at_least
+from .graphs import StepGraphs, compiled_pieces, fused_pieces, pow2_at_least
 
 if TYPE_CHECKING:
     from .inputs import Join
@@ -56,6 +56,9 @@ class ModelRunner:
     # where they are compiled, forwards no graph captures (prefills, rows joining a round) run through them too
     # (False: eagerly; bench/step_speed.py's fast-joins-eager)
     compile_prefills: bool = True
+    # captured steps of at most fused.MAX_TOKENS tokens run their matrix products through fused Triton kernels
+    # (specdec/exec/fused.py; CUDA): off until a GPU measures them (bench/step_speed.py's fast-fused)
+    fuse_products: bool = False
 
     def __init__(self, model, cache: KVCache, head_weight: torch.Tensor, head_bias: torch.Tensor | None = None,
                  lean: bool = True, graphs: bool | None = None, weights: llama.LlamaWeights | None = None,
@@ -81,6 +84,9 @@ class ModelRunner:
         self.graphs = StepGraphs(self.device) if graphs else None
         compile = cuda if self.compile_layers is None else self.compile_layers
         self.pieces = compiled_pieces() if compile and self.lean is not None else llama.EAGER
+        fusable = self.fuse_products and self.graphs is not None and self.lean is not None \
+            and self.lean.layers[0].reduce is None and fused.available(self.device) is None
+        self.fused = fused_pieces(compile) if fusable else None  # static steps of few tokens: their pieces
         self.checked: set[tuple] = set()  # shapes whose fast step matched eager
         self.eager: dict[tuple, str] = {}  # shapes sent to the eager path, with the reason
         self.errors: dict[tuple, float] = {}  # each checked shape's relative error against eager (`relative_error`)
@@ -89,13 +95,13 @@ class ModelRunner:
 
     @property
     def path(self) -> str:
-        """What runs the steps: 'graphs', 'lean' (eager) or 'generic'; '+eager-fallback' when some shapes fell
-        back from the fast path."""
+        """What runs the steps: 'graphs', 'lean' (eager) or 'generic'; '+fused' where steps of few tokens take the
+        fused products; '+eager-fallback' when some shapes fell back from the fast path."""
         if self.graphs is not None and self.graphs.capture:
             base = "graphs"
         else:
             base = "lean" if self.lean is not None else "generic"
-        return base + ("+eager-fallback" if self.eager else "")
+        return base + ("+fused" if self.fused else "") + ("+eager-fallback" if self.eager else "")
 
     def prefill(self, tokens: torch.Tensor, start: int, end: int, top_ids: int = 0,
                 lengths: torch.Tensor | None = None, offsets: np.ndarray | None = None) -> torch.Tensor | None:
@@ -180,7 +186,9 @@ class ModelRunner:
             inputs = (tokens, positions) if last is None else (tokens, positions, last)
 
             def fast():
-                logits, hidden = self.graphs.run(key, partial(self._step, kv_len=kv, attend=True), rows, *inputs)
+                few = self.fused is not None and rows * width <= fused.MAX_TOKENS
+                step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None)
+                logits, hidden = self.graphs.run(key, step, rows, *inputs)
                 return (logits[:n], hidden[:n]) if last is not None else (logits[:n, :t], hidden[:n, :t])
         else:
             key = ("layer", n > 1, t > 1, mask is not None)  # the compiled layer's specializations

@@ -1,0 +1,77 @@
+"""The fused decode products (specdec/exec/fused.py): each computes what its unfused ops do, and captured steps of few
+tokens through them give transformers' greedy rows, dense and paged. On a GPU; on a CPU under Triton's interpreter
+(triton installed and TRITON_INTERPRET=1 in the environment: a check, slow); skipped where neither is (CI's CPU
+image has no triton: the GPU kit's first call runs this file)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_models import DEVICE, MAX_NEW, pair
+from specdec.config import SamplingParams, SpecConfig
+from specdec.engine import SpecEngine
+from specdec.exec import fused, llama
+from specdec.exec.runner import ModelRunner
+
+WHY = fused.available(torch.device(DEVICE))
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the fused products: {WHY}")
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # (the interpreter's numpy has no bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_each_fused_product_computes_what_its_unfused_ops_do(rows, dtype):
+    """RMSNorm then the product with a bias (q/k/v), the product then the residual (o), SwiGLU then the product then
+    the residual (down), against the ops the compiled pieces run, at sizes no block divides (masked tails): equal
+    up to a rounding of the output (float32 sums in another order; in half precision a rare intermediate rounded
+    the other way)."""
+    g = torch.Generator().manual_seed(rows)
+    k, n = 200, 150
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+    x, gu, res = randn(rows, k), randn(rows, 2 * k), randn(rows, n)
+    w, ln, bias = randn(n, k, scale=0.1), 1 + randn(k, scale=0.1), randn(n)
+    cases = {
+        "norm, bias": (fused.product(x, w, fused.NORM, ln, 1e-5, bias=bias),
+                       F.linear(llama.rms_norm(x, ln, 1e-5), w, bias)),
+        "residual": (fused.product(x, w, residual=res), res + F.linear(x, w)),
+        "swiglu, residual": (fused.product(gu, w, fused.SWIGLU, residual=res),
+                             res + F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)),
+        "3-d input": (fused.product(x.view(1, rows, k), w), F.linear(x, w).view(1, rows, n)),
+    }
+    for name, (got, want) in cases.items():
+        assert got.shape == want.shape and got.dtype == dtype, name
+        tol = (1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps) * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=0, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_captured_steps_through_the_fused_products_give_transformers_greedy_rows(target, prompts, reference,
+                                                                                  kv_cache, monkeypatch):
+    """Float32 greedy rows, autoregressive, through the static steps (captured on a GPU) at batch 8 and 1: steps of at
+    most MAX_TOKENS tokens run their products through the fused kernels (each counted), none falls back to eager,
+    and every row equals transformers' generate."""
+    monkeypatch.setattr(ModelRunner, "fuse_products", True)
+    calls = {"product": 0}
+    product = fused.product
+
+    def counted(*a, **kw):
+        calls["product"] += 1
+        return product(*a, **kw)
+
+    monkeypatch.setattr(fused, "product", counted)
+    for bs in (8, 1):
+        ticks = itertools.count()
+        engine = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(method="none"),
+                            batch_size=bs, step_graphs=True, kv_cache=kv_cache, clock=lambda: float(next(ticks)))
+        out = engine.generate(prompts)
+        runner = engine._runners["target"]
+        assert runner.path.startswith("graphs+fused" if DEVICE == "cuda" else "lean+fused"), runner.path
+        assert not runner.eager, runner.eager
+        assert [r.token_ids for r in out] == reference, bs
+    layers = len(target.model.layers)
+    assert calls["product"] >= 4 * layers * MAX_NEW  # four a layer a step, at the least

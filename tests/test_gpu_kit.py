@@ -135,7 +135,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
         assert f"# stage {stage}: every step exited 0" in text, text[-3000:]
         assert "/machine/site/pydantic" in text  # the carried wheels, not site-packages
         assert len(os.listdir(folder)) <= 8  # the device brings back 8 files a call
-    for stage, paths in (("first", ("fast", "fast-gemv", "fast-fused", "hf eager", "hf compiled")),
+    for stage, paths in (("first", ("fast", "fast-fused", "hf eager", "hf compiled")),
                          ("second", ("fast", "fast-fused", "hf eager"))):
         speed = (out[stage] / "step_speed.txt").read_text()
         for path in paths:

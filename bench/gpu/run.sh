@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run on the device machine, one stage a call, the three back to back (bench/gpu/README.md: the calls to paste
 # and their times; prepare.sh packs what they carry; rehearse.sh runs these same stages here, on CPU):
-#   first   step speed of the Llama-8B shape (random weights): our fast path, with cuBLAS's products, with
-#           bench/gemv.py's kernel and with specdec/exec/fused.py's fused products, against transformers eager and
-#           static cache + compiled, and the HBM roofline; then the GPU tests, each file beside the others with its
-#           own budget
+#   first   step speed of the Llama-8B shape (random weights): our fast path, with cuBLAS's products and with
+#           specdec/exec/fused.py's fused products (KIT_BIG_PATHS=fast,fast-gemv,fast-fused adds bench/gemv.py's
+#           kernel), against transformers eager and static cache + compiled, and the HBM roofline; then the GPU
+#           tests, each file beside the others with its own budget
 #   second  the real target, from the first two calls' model parts: float32 greedy rows at batch 8 against
 #           transformers' (bench/greedy_equality.py: the CUDA batch-8 defect's scenario); step speed of the SmolLM2
 #           shape at batch 1: fast and fast-fused; then the decoder's matrix products at decode shapes, cuBLAS
@@ -125,7 +125,7 @@ stage() {
   case "$STAGE" in
     first)
       wheels; keep
-      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-gemv,fast-fused}" "${KIT_STEP_S:-120}"
+      step_speed "${KIT_BIG:-llama8b}" "${KIT_BIG_PATHS:-fast,fast-fused}" "${KIT_STEP_S:-120}"
       gpu_tests ;;
     second)
       wheels; keep; join_target

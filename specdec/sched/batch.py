@@ -150,9 +150,10 @@ class Batch:
         """Rows [0, len(lens)) verifying chains `draft` [rows, k] at `width` tokens, after the `lag` tokens the
         rows with the most not cached yet lack."""
         lag, tokens = self._unread(lens, base, cached, draft)
-        positions = (base[:, None] + torch.arange(1 - lag, width, device=self.device)[None, :]).clamp(min=0)
+        positions = (base[:, None] + self.slots.span(1 - lag, width)[None, :]).clamp(min=0)
         kv_len = int(lens.max(initial=1)) - 1 + width + self.slots.in_flight  # past every row's, in flight or not
-        return TargetInputs(torch.nn.functional.pad(tokens, (0, width - draft.shape[1] - 1)), positions, kv_len, lag,
+        junk = width - draft.shape[1] - 1
+        return TargetInputs(torch.nn.functional.pad(tokens, (0, junk)) if junk else tokens, positions, kv_len, lag,
                             lens, base)
 
     def _unread(self, lens: np.ndarray, base: torch.Tensor, cached: np.ndarray,
@@ -160,37 +161,40 @@ class Batch:
         """(lag, tokens [rows, lag + k]): each of rows [0, len(lens)) reads the `lag` tokens up to its pending one
         (the most any of them lacks in its cache), then its draft [rows, k]."""
         lag = int((lens - cached).max(initial=1))
-        behind = (base[:, None] + torch.arange(1 - lag, 1, device=self.device)[None, :]).clamp(min=0)  # [n, lag]
-        return lag, torch.cat([self.seq[: len(lens)].gather(1, behind), draft], dim=1)
+        behind = (base[:, None] + self.slots.span(1 - lag, 1)[None, :]).clamp(min=0)  # [n, lag]
+        unread = self.seq[: len(lens)].gather(1, behind)
+        return lag, torch.cat([unread, draft], dim=1) if draft.shape[1] else unread
 
     def _join(self, lens: np.ndarray, draft: torch.Tensor, width: int, joining: PrefillPlan) -> Join:
         """The joining rows' part of a round's forward: each row's prompt after the `upto` slots its cache holds,
         its pending token and its draft [m, k], padded to the longest; the logits wanted at the pending token and
         the draft."""
-        dev, k, held = self.device, draft.shape[1], joining.counts("upto")
+        k, held = draft.shape[1], joining.counts("upto")
         lens = lens[joining.start: joining.end]
         first = lens - held  # columns before the draft: the prompt's rest and the pending token
         t = int(first.max()) + width - 1
         cols = held[:, None] + np.arange(t)
         tokens = self.seq[joining.start: joining.end].gather(1, self.to_device(np.minimum(cols, self.max_len - 1)))
-        at = self.to_device(first - 1)[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [m, k + 1]
+        at = self.to_device(first - 1)[:, None] + self.slots.span(0, k + 1)[None, :]  # [m, k + 1]
         tokens.scatter_(1, at[:, 1:], draft)
         return Join(tokens, self.to_device(cols), int(lens.max()) - 1 + width, joining.start, at)
 
     def accept(self, n: int, inputs: TargetInputs, verdict: Verdict, draft: Draft) -> torch.Tensor:
         """Rows [0, n) take their accepted tokens and the rule's next token into `seq` (a tree's accepted path's
         keys and values moved into place first); returns them, [n, w]: x_1..x_a, y (stale past a + 1)."""
-        dev, base = self.device, inputs.base
-        new = draft.tokens
+        base, new = inputs.base, draft.tokens
         if verdict.path is not None:
-            ar = torch.arange(1, verdict.path.shape[1] + 1, device=dev)[None, :]
+            ar = self.slots.span(1, verdict.path.shape[1] + 1)[None, :]
             self.target.cache.move_slots(base[:, None] + verdict.path, base[:, None] + ar)
             new = draft.tokens.gather(1, (verdict.path - 1).clamp(min=0))
-        new = torch.cat([new, torch.zeros((n, 1), dtype=torch.int64, device=dev)], dim=1)
-        new.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
-        write = (base[:, None] + 1 + torch.arange(new.shape[1], device=dev)[None, :]).clamp(max=self.max_len - 1)
+        if new.shape[1]:  # y after the accepted tokens (and at the end: a chain that passed whole ends in it)
+            new = torch.cat([new, verdict.next_token[:, None]], dim=1)
+            new.scatter_(1, verdict.accepted[:, None], verdict.next_token[:, None])
+        else:
+            new = verdict.next_token[:, None]
+        write = (base[:, None] + self.slots.span(1, new.shape[1] + 1)[None, :]).clamp(max=self.max_len - 1)
         self.seq[:n].scatter_(1, write, new)
-        self.slots.lens_dev[:n] += verdict.accepted + 1
+        self.slots.lens_dev[:n].add_(verdict.accepted + 1)
         return new
 
     def grow(self, n: int, lens: np.ndarray, accepted: np.ndarray) -> None:

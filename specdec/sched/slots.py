@@ -44,6 +44,15 @@ class Slots:
         self.prompt_lens = self.add_host("prompt_len")  # of them, the prompt's
         # prompt + emitted on the host (a copy keeps its own list: samples of one prompt grow apart)
         self.history: list[list[int] | None] = self.add_objects("history", lambda src, dst: dst)
+        self._reach, self._range = 0, None  # `span`'s kept range: [-reach, reach)
+
+    def span(self, lo: int, hi: int) -> torch.Tensor:
+        """torch.arange(lo, hi) on the device as a view of one range kept from round to round (read it, never write
+        it): a round's index arithmetic launches no arange."""
+        if max(-lo, hi) > self._reach:
+            self._reach = 1 << max(6, max(-lo, hi) - 1).bit_length()
+            self._range = torch.arange(-self._reach, self._reach, device=self.device)
+        return self._range[lo + self._reach: hi + self._reach]
 
     def add(self, name: str, dtype=torch.int64, fill=0, trailing: tuple[int, ...] = ()) -> torch.Tensor:
         t = torch.full((self.capacity, *trailing), fill, dtype=dtype, device=self.device)

@@ -49,5 +49,11 @@ class Draft:
 
     @classmethod
     def empty(cls, n: int, device) -> "Draft":
-        return cls(torch.zeros((n, 0), dtype=torch.int64, device=device),
-                   torch.zeros(n, dtype=torch.int64, device=device))
+        """No token for any of n rows (its lengths a view of zeros kept per device: read, never written)."""
+        zeros = _ZEROS.get(str(device))
+        if zeros is None or zeros.shape[0] < n:
+            zeros = _ZEROS[str(device)] = torch.zeros(max(n, 64), dtype=torch.int64, device=device)
+        return cls(zeros[:n, None][:, :0], zeros[:n])
+
+
+_ZEROS: dict[str, torch.Tensor] = {}  # Draft.empty's lengths, per device

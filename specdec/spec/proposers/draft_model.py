@@ -91,7 +91,7 @@ class DraftModelProposer(Proposer):
         # `in_flight` tokens, and after a drafting round a row lacks its pending token and at most one more
         t0 = 2 if s.in_flight_drafted else int((lens + s.in_flight - d_len).max())
         have = self.d_len_dev[:n]
-        idx = have[:, None] + torch.arange(t0, device=s.device)[None, :]  # [n, t0]
+        idx = have[:, None] + s.span(0, t0)[None, :]  # [n, t0]
         tokens_in = s.seq[:n].gather(1, idx.clamp(max=s.max_len - 1))
         kv_len = int(lens.max()) + s.in_flight + 1 if s.in_flight else int((d_len + t0).max())
         return self.runner.step(tokens_in, idx, kv_len, last=s.lens_dev[:n] - have - 1)
@@ -185,7 +185,7 @@ class DraftModelProposer(Proposer):
 
     def advance(self, n: int, old_len: torch.Tensor, accepted: torch.Tensor, forwards: int) -> None:
         if forwards:  # the catch-up fed up to the pending token, each later forward one drafted token more
-            self.d_len_dev[:n] = torch.minimum(old_len + forwards - 1, old_len + accepted)
+            torch.minimum(old_len + (forwards - 1), old_len + accepted, out=self.d_len_dev[:n])
 
     def commit(self, n: int, old_len: np.ndarray, accepted: np.ndarray, forwards: int) -> None:
         # the draft cache is right up to the last accepted draft token it was fed

@@ -4,6 +4,7 @@ tokens through them give transformers' greedy rows, dense and paged. On a GPU; o
 image has no triton: the GPU kit's first call runs this file)."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.exec import fused, llama
 from specdec.exec.runner import ModelRunner
+from test_fastpath import cache_of
 
 WHY = fused.available(torch.device(DEVICE))
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the fused products: {WHY}")
@@ -47,6 +49,35 @@ def test_each_fused_product_computes_what_its_unfused_ops_do(rows, dtype):
         assert got.shape == want.shape and got.dtype == dtype, name
         tol = (1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps) * want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 2), (8, 1)])
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_the_fused_layer_start_gives_the_pieces_q_and_writes_their_keys_and_values(target, layout, rows, tokens,
+                                                                                   bias):
+    """`qkv_rope` (RMSNorm, q/k/v with or without a bias, RoPE, k and v into the cache at each token's slot) against
+    llama's `_first` over another cache of the same layout: the same q, and the same caches (every slot, written or
+    not), dense and paged (rows' blocks scattered over the pool), at ragged positions."""
+    g = torch.Generator().manual_seed(rows * 10 + tokens)
+    w = llama.load_weights(target)
+    layer = w.layers[0]
+    if bias:
+        layer = replace(layer, qkv_bias=torch.randn(layer.qkv.shape[0], generator=g).to(DEVICE, layer.qkv.dtype))
+    caches = [cache_of(target, layout, rows=8) for _ in range(2)]
+    start = torch.randint(0, 40, (rows, 1), generator=g)
+    positions = (start + torch.arange(tokens)).to(DEVICE)
+    x = torch.randn(rows, tokens, w.embed.shape[1], generator=g).to(DEVICE, w.embed.dtype)
+    cos, sin, _ = llama._rope_and_mask(w, positions, None)
+    dims = (w.heads, w.kv_heads, w.head_dim)
+    views = [c.view(0, rows, positions, 64) for c in caches]
+    want = llama._first(x, layer, cos, sin, *dims, w.eps, caches[0].k[0], caches[0].v[0], views[0].at)
+    k, v = caches[1].k[0], caches[1].v[0]
+    got = fused.qkv_rope(x, layer, w.eps, cos, sin, *dims, k, v, *fused.token_offsets(views[1].at, k))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((caches[0].k[0], k), (caches[0].v[0], v)):
+        assert a.abs().sum() > 0  # (written)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])

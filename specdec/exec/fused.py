@@ -1,9 +1,9 @@
-"""A decode step's matrix products fused with the work around them, as Triton kernels (`product`): where a step has
-at most MAX_TOKENS tokens, each product streams its weight once, and the same kernel does what came before it (the
-RMSNorm of its input, or SwiGLU's silu(gate) * up) and after it (the bias, the residual add). A layer is then four
-such kernels, RoPE with the cache writes (one compiled kernel) and the attention (`pieces`), where the compiled
-pieces of specdec/exec/llama.py launch about ten. The arithmetic is the pieces': sums in float32, the norm's and
-the activation's outputs rounded to the model's dtype where transformers rounds them.
+"""A decode step's layers as four Triton kernels and the attention, where the compiled pieces of specdec/exec/llama.py
+launch about ten: where a step has at most MAX_TOKENS tokens, each matrix product streams its weight once, and the
+same kernel does what came before it (the RMSNorm of its input, or SwiGLU's silu(gate) * up) and after it (the
+bias, the residual add: `product`); the layer's first also applies RoPE and writes k and v into the cache
+(`qkv_rope`). The arithmetic is the pieces': sums in float32, the norm's, the activation's and the products' outputs
+rounded to the model's dtype where transformers rounds them (RoPE, as compiled, rounds once).
 
 CUDA; on a CPU, Triton's interpreter (TRITON_INTERPRET=1 in the environment before triton is imported): a check of
 the arithmetic, not a speed. Off unless asked for (`ModelRunner.fuse_products`): bench/step_speed.py's
@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 
 from . import llama
-from .cache import put
 
 try:
     import triton
@@ -42,47 +41,117 @@ def available(device: torch.device) -> str | None:
 
 if triton is not None:
     @triton.jit
+    def _rstd(x_ptr, M, K, eps, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """1 / RMS of each of x's first M rows [BLOCK_M] (float32), over K columns."""
+        rm = tl.arange(0, BLOCK_M)
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                        other=0.0).to(tl.float32)
+            squares += x * x
+        return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+    @triton.jit
+    def _input(x_ptr, ln_ptr, rstd, k0, M, K, stride_x, BEFORE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        """Columns [k0, k0 + BLOCK_K) of a product's input [BLOCK_M, BLOCK_K] (float32): x (PLAIN), transformers'
+        RMSNorm of x, float32 rounded to the dtype, times the weight in the dtype (NORM), or silu(gate) rounded
+        times up, rounded, with x = [gate, up] (SWIGLU)."""
+        dtype = x_ptr.dtype.element_ty
+        rm = tl.arange(0, BLOCK_M)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        at, held = x_ptr + rm[:, None] * stride_x + rk[None, :], (rm[:, None] < M) & (rk[None, :] < K)
+        a = tl.load(at, mask=held, other=0.0).to(tl.float32)
+        if BEFORE == 1:
+            ln = tl.load(ln_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            a = (ln[None, :] * (a * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if BEFORE == 2:
+            up = tl.load(at + K, mask=held, other=0.0).to(tl.float32)
+            a = ((a * tl.sigmoid(a)).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
+        return a
+
+    @triton.jit
+    def _dot(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K: tl.constexpr):
+        """a [BLOCK_M, BLOCK_K] times weight rows `rn` at columns [k0, k0 + BLOCK_K): [BLOCK_M, len(rn)] float32 sums;
+        the weight streamed once (evicted first: no other program reads it)."""
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)
+        return tl.sum(tl.expand_dims(a, 1) * tl.expand_dims(w, 0), axis=2)
+
+    @triton.jit
     def _product(x_ptr, w_ptr, out_ptr, ln_ptr, bias_ptr, res_ptr, M, N, K, eps, stride_x, stride_w, stride_o,
                  stride_r, BEFORE: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[m, n] = residual[m, n] + (bias[n] + sum_k a[m, k] w[n, k]) for BLOCK_N output columns a program, where
-        a is x (PLAIN), RMSNorm(x) * ln (NORM) or silu(x[:, :K]) * x[:, K:] (SWIGLU); the weight's rows streamed once
-        (evicted first: no other program reads them), x's re-read from L2 by each program."""
+        """out[m, n] = residual[m, n] + (bias[n] + sum_k a[m, k] w[n, k]) for BLOCK_N output columns a program, a as
+        `_input` makes it; x's rows re-read from L2 by each program."""
         dtype = out_ptr.dtype.element_ty
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        rows = rm[:, None] < M
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if BEFORE == 1:  # each row's mean square first
-            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=rows & (rk[None, :] < K), other=0.0)
-                squares += x.to(tl.float32) * x.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+        if BEFORE == 1:
+            rstd = _rstd(x_ptr, M, K, eps, stride_x, BLOCK_M, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            at, held = x_ptr + rm[:, None] * stride_x + rk[None, :], rows & (rk[None, :] < K)
-            a = tl.load(at, mask=held, other=0.0)
-            if BEFORE == 1:  # transformers' RMSNorm: float32, rounded, then times the weight in the dtype
-                ln = tl.load(ln_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                a = (ln[None, :] * (a.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            if BEFORE == 2:  # silu(gate), rounded, times up, rounded
-                up = tl.load(at + K, mask=held, other=0.0).to(tl.float32)
-                gate = a.to(tl.float32)
-                a = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
-                        other=0.0, eviction_policy="evict_first")
-            acc += tl.sum(tl.expand_dims(a.to(tl.float32), 1) * tl.expand_dims(w.to(tl.float32), 0), axis=2)
+            a = _input(x_ptr, ln_ptr, rstd, k0, M, K, stride_x, BEFORE, BLOCK_M, BLOCK_K)
+            acc += _dot(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K)
         if BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
-        kept = rows & (rn[None, :] < N)
+        kept = (rm[:, None] < M) & (rn[None, :] < N)
         if RESIDUAL:  # the product rounded, then the add rounded: as `x + F.linear(...)`
             res = tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=kept, other=0.0)
             out = (res.to(tl.float32) + out.to(tl.float32)).to(dtype)
         tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out, mask=kept)
+
+    @triton.jit
+    def _qkv_rope(x_ptr, w_ptr, ln_ptr, bias_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, off_ptr, M, K, T, eps,
+                  stride_x, stride_w, stride_rope, head_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  HD: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        """A layer's start for M = rows x T tokens: RMSNorm(x) * ln times the fused q/k/v weight (and its bias), RoPE
+        (rotate-half) on the q and k heads, q stored [rows, HEADS, T, HD], k and v into the layer's cache at each
+        token's element offset (off_ptr) plus the head's. A program takes BLOCK_P of a head's HD / 2 column pairs
+        (j, j + HD / 2), the two columns RoPE mixes."""
+        dtype = q_ptr.dtype.element_ty
+        chunks = HD // 2 // BLOCK_P
+        head = tl.program_id(0) // chunks
+        rp = (tl.program_id(0) % chunks) * BLOCK_P + tl.arange(0, BLOCK_P)  # pair j: columns j and j + HD / 2
+        lo, hi = head * HD + rp, head * HD + HD // 2 + rp  # the weight's rows
+        rm = tl.arange(0, BLOCK_M)
+        rstd = _rstd(x_ptr, M, K, eps, stride_x, BLOCK_M, BLOCK_K)
+        acc_lo = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        n = (HEADS + 2 * KV_HEADS) * HD
+        for k0 in range(0, K, BLOCK_K):
+            a = _input(x_ptr, ln_ptr, rstd, k0, M, K, stride_x, 1, BLOCK_M, BLOCK_K)
+            acc_lo += _dot(a, w_ptr, lo, k0, n, K, stride_w, BLOCK_K)
+            acc_hi += _dot(a, w_ptr, hi, k0, n, K, stride_w, BLOCK_K)
+        if BIAS:
+            acc_lo += tl.load(bias_ptr + lo).to(tl.float32)[None, :]
+            acc_hi += tl.load(bias_ptr + hi).to(tl.float32)[None, :]
+        x_lo, x_hi = acc_lo.to(dtype).to(tl.float32), acc_hi.to(dtype).to(tl.float32)  # the product, rounded
+        tokens = (rm[:, None] < M) & (rp[None, :] < HD // 2)
+        if head < HEADS + KV_HEADS:  # q and k: RoPE
+            rope = rm[:, None] * stride_rope + rp[None, :]
+            cos_lo = tl.load(cos_ptr + rope, mask=tokens, other=0.0).to(tl.float32)
+            sin_lo = tl.load(sin_ptr + rope, mask=tokens, other=0.0).to(tl.float32)
+            cos_hi = tl.load(cos_ptr + rope + HD // 2, mask=tokens, other=0.0).to(tl.float32)
+            sin_hi = tl.load(sin_ptr + rope + HD // 2, mask=tokens, other=0.0).to(tl.float32)
+            x_lo, x_hi = x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
+        if head < HEADS:  # q [rows, HEADS, T, HD]: token m is row m // T, its (m % T)th
+            at = q_ptr + ((rm // T) * HEADS + head) * T * HD + (rm % T) * HD
+            tl.store(at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens)
+            tl.store(at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens)
+        else:  # k or v: into the cache
+            off = tl.load(off_ptr + rm, mask=rm < M, other=0) + ((head - HEADS) % KV_HEADS) * head_stride
+            if head < HEADS + KV_HEADS:
+                at = k_ptr + off
+            else:
+                at = v_ptr + off
+            tl.store(at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens)
+            tl.store(at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Tensor | None = None, eps: float = 0.0,
@@ -107,23 +176,53 @@ def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Ten
     return out.view(*lead, n)
 
 
-def rope_put(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-             keys: torch.Tensor, values: torch.Tensor, at: tuple) -> torch.Tensor:
-    """The fused projection's output split into heads and RoPE applied, k and v written into the layer's cache at
-    `at`: q, as llama's `_first` returns it."""
-    q, k, v = llama._heads(qkv, cos, sin, heads, kv_heads, head_dim)
-    put(keys, values, at, k, v)
+def token_offsets(at: tuple, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where `put` writes a forward's tokens at index `at` of a layer's keys (values): each token's element offset
+    [n * t] (int64), and the stride between kv heads (the dim `at` slices, or the one after it)."""
+    offsets, head = 0, len(at)
+    for dim, index in enumerate(at):
+        if isinstance(index, torch.Tensor):
+            offsets = offsets + index * keys.stride(dim)
+        elif head == len(at):
+            head = dim
+    return offsets.reshape(-1).contiguous(), keys.stride(head)
+
+
+def qkv_rope(x: torch.Tensor, layer: llama.Layer, eps: float, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+             kv_heads: int, head_dim: int, keys: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
+             head_stride: int) -> torch.Tensor:
+    """llama's `_first` in one kernel: over x [n, t, d] (n * t <= MAX_TOKENS) and RoPE's cos, sin [n, 1, t, hd] at
+    the tokens' positions, k and v written into the layer's `keys` and `values` at `offsets` (`token_offsets`);
+    returns q [n, heads, t, hd]."""
+    n, t, d = x.shape
+    m = n * t
+    x2, (cos2, sin2) = x.reshape(m, d), (c.reshape(m, head_dim) for c in (cos, sin))
+    assert m <= MAX_TOKENS and x2.stride(1) == 1 and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
+    assert keys.dtype == values.dtype == x.dtype and keys.stride(-1) == values.stride(-1) == 1 and head_dim % 2 == 0
+    q = torch.empty((n, heads, t, head_dim), dtype=x.dtype, device=x.device)
+    pairs = head_dim // 2
+    block_p = min(16, pairs & -pairs)  # a power of two that divides a head's pairs
+    block_m = 1 if m == 1 else MAX_TOKENS
+    _, block_k, warps = CONFIGS[block_m]
+    bias = layer.qkv_bias
+    _qkv_rope[((heads + 2 * kv_heads) * (pairs // block_p),)](
+        x2, layer.qkv, layer.ln1, layer.qkv if bias is None else bias, cos2, sin2, q, keys, values, offsets, m, d, t,
+        eps, x2.stride(0), layer.qkv.stride(0), cos2.stride(0), head_stride, HEADS=heads, KV_HEADS=kv_heads,
+        HD=head_dim, BIAS=bias is not None, BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps)
     return q
 
 
-def pieces(rope: Callable = rope_put, norm: Callable = llama.rms_norm) -> llama.Pieces:
-    """What a step of at most MAX_TOKENS tokens runs between its attentions (`llama.Pieces`) with the fused products:
-    `rope` (`rope_put`, compiled where the caller compiles) and the final `norm` around them. Not for a layer whose
-    partial products are summed over ranks (`Layer.reduce`)."""
+def pieces(norm: Callable = llama.rms_norm) -> llama.Pieces:
+    """What a step of at most MAX_TOKENS tokens runs between its attentions (`llama.Pieces`) with the fused kernels:
+    a layer's start in one (`qkv_rope`), its o_proj with the residual, gate/up with the norm before it and down with
+    SwiGLU before it and the residual after it (`product`), and the final `norm` (compiled where the caller
+    compiles). Not for a layer whose partial products are summed over ranks (`Layer.reduce`)."""
+    kept: dict = {}  # the forward's `at` and where its tokens lie in a layer's cache (every layer writes there)
 
     def first(x, layer, cos, sin, heads, kv_heads, head_dim, eps, keys, values, at):
-        qkv = product(x, layer.qkv, NORM, layer.ln1, eps, bias=layer.qkv_bias)
-        return rope(qkv, cos, sin, heads, kv_heads, head_dim, keys, values, at)
+        if kept.get("at") is not at:
+            kept["at"], kept["offsets"] = at, token_offsets(at, keys)
+        return qkv_rope(x, layer, eps, cos, sin, heads, kv_heads, head_dim, keys, values, *kept["offsets"])
 
     def layer_out(x, layer, o, eps):
         x = product(o, layer.o, residual=x)

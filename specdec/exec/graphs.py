@@ -75,16 +75,15 @@ def compiled_pieces():
 
 
 def fused_pieces(compile: bool):
-    """The pieces of steps of at most `fused.MAX_TOKENS` tokens with the fused products (specdec/exec/fused.py), once
-    per process: RoPE with the cache writes and the final norm through torch.compile where `compile`."""
+    """The pieces of steps of at most `fused.MAX_TOKENS` tokens with the fused kernels (specdec/exec/fused.py), once
+    per process: the final norm through torch.compile where `compile`."""
     from . import fused, llama
 
     key = f"fused-{compile}"
     if key not in _COMPILED:
         if compile:
             compiled_pieces()  # (the settings its compilations need)
-            rope, norm = (torch.compile(f, dynamic=True, fullgraph=True) for f in (fused.rope_put, llama.rms_norm))
-            _COMPILED[key] = fused.pieces(rope, norm)
+            _COMPILED[key] = fused.pieces(torch.compile(llama.rms_norm, dynamic=True, fullgraph=True))
         else:
             _COMPILED[key] = fused.pieces()
     return _COMPILED[key]

@@ -200,10 +200,10 @@ def qkv_rope(x: torch.Tensor, layer: llama.Layer, eps: float, cos: torch.Tensor,
     assert m <= MAX_TOKENS and x2.stride(1) == 1 and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     assert keys.dtype == values.dtype == x.dtype and keys.stride(-1) == values.stride(-1) == 1 and head_dim % 2 == 0
     q = torch.empty((n, heads, t, head_dim), dtype=x.dtype, device=x.device)
-    pairs = head_dim // 2
-    block_p = min(16, pairs & -pairs)  # a power of two that divides a head's pairs
     block_m = 1 if m == 1 else MAX_TOKENS
-    _, block_k, warps = CONFIGS[block_m]
+    block_n, block_k, warps = CONFIGS[block_m]
+    pairs = head_dim // 2
+    block_p = min(block_n // 2, pairs & -pairs)  # as many weight rows as `product`'s, dividing a head's pairs
     bias = layer.qkv_bias
     _qkv_rope[((heads + 2 * kv_heads) * (pairs // block_p),)](
         x2, layer.qkv, layer.ln1, layer.qkv if bias is None else bias, cos2, sin2, q, keys, values, offsets, m, d, t,

@@ -146,7 +146,7 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
                for path in ("fast", "fast-joins", "fast-joins-eager")), joins
     lookup = (out["joins"] / "lookup_ahead.txt").read_text()  # the real target's trees, ahead and waiting: same tokens
     assert re.search(r"^\s+2 trees:k=2:s=1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+\s+\d\.\d+ True$", lookup, re.M), lookup
-    for name in ("test_greedy_batches", "test_overlap", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
+    for name in ("test_greedy_batches", "test_fused", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]
     assert "files: tests/test_sampling.py tests/test_noise.py tests/test_capture.py" in \

@@ -4,8 +4,10 @@ compute op inside (inductor's fused kernels, the matrix products, eager ops such
 attention), over one warm forward of n rows x t tokens (t > 1: a speculative round's verification), at 2 and at 4
 layers: half the difference is a layer's.
 Counted, not timed. On a GPU, inductor's Triton fuses differently (bench/step_speed.py --kernels lists a step's).
+`--fused`: the pieces of specdec/exec/fused.py instead (each of its Triton kernels counts one, what runs inside it
+none; it needs triton and TRITON_INTERPRET=1 in the environment on a CPU).
 
-    [ROOT=CHECKOUT] python bench/results/layer_kernels_at.py [--rows 1,4] [--tokens 1]
+    [ROOT=CHECKOUT] python bench/results/layer_kernels_at.py [--rows 1,4] [--tokens 1] [--fused]
 """
 
 import argparse
@@ -44,13 +46,30 @@ def inside(event):
         yield from inside(child)
 
 
-def kernels(layers: int, rows: int, width: int = 1) -> collections.Counter:
+FUSED = "fused kernel"  # a profiler range around each of fused.py's kernels
+
+
+def counted(f):
+    def call(*a, **kw):
+        with torch.profiler.record_function(FUSED):
+            return f(*a, **kw)
+    return call
+
+
+def kernels(layers: int, rows: int, width: int = 1, fused: bool = False) -> collections.Counter:
     """The innermost compute ops of one warm forward of `rows` rows x `width` tokens over the tests' tiny random
-    model with `layers` layers."""
+    model with `layers` layers (`fused`: each fused kernel one)."""
     model = tiny_llama(layers=layers)
     w, cache = llama.load_weights(model), RaggedKVCache(model, 4, 128)
     tokens, positions = torch.randint(0, 96, (rows, width)), 5 + torch.arange(width).expand(rows, width)
-    if hasattr(graphs, "compiled_pieces"):  # since the pieces between attentions (2026-11-29)
+    if fused:
+        from specdec.exec import fused as kit
+
+        kit.product, kit.qkv_rope = counted(kit.product), counted(kit.qkv_rope)
+
+        def run():
+            return llama.forward(w, cache, tokens, positions, 64, kit.pieces())
+    elif hasattr(graphs, "compiled_pieces"):  # since the pieces between attentions (2026-11-29)
         def run():
             return llama.forward(w, cache, tokens, positions, 64, graphs.compiled_pieces())
     else:  # the layer's two halves around its cache writes and attention
@@ -61,16 +80,20 @@ def kernels(layers: int, rows: int, width: int = 1) -> collections.Counter:
             run()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
-    return collections.Counter(e.name for e in prof.events() if compute(e) and not any(map(compute, inside(e))))
+    events = prof.events()
+    hidden = {id(c) for e in events if e.name == FUSED for c in inside(e)}
+    return collections.Counter(e.name for e in events if id(e) not in hidden and (
+        e.name == FUSED or (compute(e) and not any(map(compute, inside(e))))))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--tokens", default="1", help="tokens a row (1: a decode step)")
+    ap.add_argument("--fused", action="store_true", help="specdec/exec/fused.py's pieces")
     args = ap.parse_args()
     for rows, width in ((r, t) for t in map(int, args.tokens.split(",")) for r in map(int, args.rows.split(","))):
-        two, four = kernels(2, rows, width), kernels(4, rows, width)
+        two, four = kernels(2, rows, width, args.fused), kernels(4, rows, width, args.fused)
         per = {name: (four[name] - two[name]) / 2 for name in four.keys() | two.keys() if four[name] != two[name]}
         names = ", ".join(f"{n:g} {name.split('cpp_fused_')[-1][:48]}" for name, n in
                           sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -141,17 +141,17 @@ if triton is not None:
             sin_hi = tl.load(sin_ptr + rope + HD // 2, mask=tokens, other=0.0).to(tl.float32)
             x_lo, x_hi = x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
         if head < HEADS:  # q [rows, HEADS, T, HD]: token m is row m // T, its (m % T)th
-            at = q_ptr + ((rm // T) * HEADS + head) * T * HD + (rm % T) * HD
-            tl.store(at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens)
-            tl.store(at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens)
+            q_at = q_ptr + ((rm // T) * HEADS + head) * T * HD + (rm % T) * HD
+            tl.store(q_at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens)
+            tl.store(q_at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens)
         else:  # k or v: into the cache
             off = tl.load(off_ptr + rm, mask=rm < M, other=0) + ((head - HEADS) % KV_HEADS) * head_stride
-            if head < HEADS + KV_HEADS:
-                at = k_ptr + off
-            else:
-                at = v_ptr + off
-            tl.store(at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens)
-            tl.store(at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens)
+            is_k, is_v = head < HEADS + KV_HEADS, head >= HEADS + KV_HEADS  # (a program writes one of the two)
+            k_at, v_at = k_ptr + off, v_ptr + off
+            tl.store(k_at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens & is_k)
+            tl.store(k_at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens & is_k)
+            tl.store(v_at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens & is_v)
+            tl.store(v_at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens & is_v)
 
 
 def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Tensor | None = None, eps: float = 0.0,

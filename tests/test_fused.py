@@ -81,28 +81,37 @@ def test_the_fused_layer_start_gives_the_pieces_q_and_writes_their_keys_and_valu
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
-def test_captured_steps_through_the_fused_products_give_transformers_greedy_rows(target, prompts, reference,
-                                                                                  kv_cache, monkeypatch):
-    """Float32 greedy rows, autoregressive, through the static steps (captured on a GPU) at batch 8 and 1: steps of at
-    most MAX_TOKENS tokens run their products through the fused kernels (each counted), none falls back to eager,
-    and every row equals transformers' generate."""
+def test_captured_steps_through_the_fused_kernels_give_transformers_greedy_rows(target, drafts, prompts, reference,
+                                                                                 kv_cache, monkeypatch):
+    """Float32 greedy rows through the static steps (captured on a GPU): autoregressive at batch 8 and 1, and a draft
+    model's fixed chains of 2 at batch 2 (its steps and the target's 3-token verifications fused too). Steps of at
+    most MAX_TOKENS tokens run through the fused kernels (counted), none falls back to eager, and every row equals
+    transformers' generate."""
     monkeypatch.setattr(ModelRunner, "fuse_products", True)
-    calls = {"product": 0}
-    product = fused.product
+    calls = {"product": 0, "widest": 0}
+    product, qkv_rope = fused.product, fused.qkv_rope
 
     def counted(*a, **kw):
         calls["product"] += 1
         return product(*a, **kw)
 
+    def widest(x, *a, **kw):
+        calls["widest"] = max(calls["widest"], x.shape[1])
+        return qkv_rope(x, *a, **kw)
+
     monkeypatch.setattr(fused, "product", counted)
-    for bs in (8, 1):
+    monkeypatch.setattr(fused, "qkv_rope", widest)
+    chains = dict(method="draft_model", draft_length="fixed", num_draft_tokens=2)
+    for bs, draft, spec in ((8, None, dict(method="none")), (1, None, dict(method="none")),
+                            (2, drafts["noisy"], chains)):
         ticks = itertools.count()
-        engine = SpecEngine(pair(target), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(method="none"),
+        engine = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=MAX_NEW), SpecConfig(**spec),
                             batch_size=bs, step_graphs=True, kv_cache=kv_cache, clock=lambda: float(next(ticks)))
         out = engine.generate(prompts)
-        runner = engine._runners["target"]
-        assert runner.path.startswith("graphs+fused" if DEVICE == "cuda" else "lean+fused"), runner.path
-        assert not runner.eager, runner.eager
-        assert [r.token_ids for r in out] == reference, bs
+        for runner in engine._runners.values():
+            assert runner.path.startswith("graphs+fused" if DEVICE == "cuda" else "lean+fused"), runner.path
+            assert not runner.eager, runner.eager
+        assert [r.token_ids for r in out] == reference, (bs, spec)
     layers = len(target.model.layers)
-    assert calls["product"] >= 4 * layers * MAX_NEW  # four a layer a step, at the least
+    assert calls["product"] >= 2 * 3 * layers * MAX_NEW  # three a layer a step, at the least, at batch 8 and 1
+    assert 3 <= calls["widest"] <= fused.MAX_TOKENS  # several tokens a row (verifications, the draft's catch-up)

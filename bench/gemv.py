@@ -31,13 +31,12 @@ import types
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-from step_speed import SHAPES, copy_bandwidth, environment, log  # noqa: E402
-
-if not torch.cuda.is_available() and "triton" not in sys.modules:
+if not torch.cuda.is_available() and "triton" not in sys.modules:  # (before step_speed: specdec imports triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs on CPU tensors, interpreted
 # (a triton imported before without it, by transformers say, cannot interpret: set it in the environment)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+sys.path.insert(0, os.path.dirname(__file__))
+from step_speed import SHAPES, copy_bandwidth, environment, log  # noqa: E402
 try:
     import triton
     import triton.language as tl

@@ -1,7 +1,7 @@
-"""The fused decode products (specdec/exec/fused.py): each computes what its unfused ops do, and captured steps of few
-tokens through them give transformers' greedy rows, dense and paged. On a GPU; on a CPU under Triton's interpreter
-(triton installed and TRITON_INTERPRET=1 in the environment: a check, slow); skipped where neither is (CI's CPU
-image has no triton: the GPU kit's first call runs this file)."""
+"""The fused decode kernels (specdec/exec/fused.py): each computes what the ops it replaces do, and captured steps of
+few tokens through them give transformers' greedy rows, dense and paged. On a GPU; on a CPU under Triton's
+interpreter (triton installed and TRITON_INTERPRET=1 in the environment: a check, slow); skipped where neither is
+(CI's CPU image has no triton: the GPU kit's first call runs this file)."""
 
 import itertools
 from dataclasses import replace

@@ -34,8 +34,8 @@ cd "$(dirname "$0")/../.."
 # an entry a+b runs both files in one process, reported under the first (the device brings back 8 files a call)
 # the CUDA batch-8 equality check (issue 54) first, in a process of its own (its checks at batch 8 first: the
 # budget's SIGINT cuts the rest), the fused kernels' tests (quick) then the overlap tests in theirs
-TESTS="tests/test_greedy_batches.py tests/test_fused.py+tests/test_overlap.py tests/test_fastpath.py tests/test_engine.py
-tests/test_sampling.py+tests/test_noise.py+tests/test_capture.py tests/test_memory.py"
+TESTS="tests/test_greedy_batches.py tests/test_fused.py+tests/test_overlap.py tests/test_fastpath.py
+tests/test_engine.py tests/test_sampling.py+tests/test_noise.py+tests/test_capture.py tests/test_memory.py"
 DEVICE=${KIT_DEVICE:-cuda}
 TMPD=${KIT_TMP:-/tmp}
 OUT=${OUT:-$TMPD/specbatch-out}

@@ -41,6 +41,14 @@ def width_buckets(width: int, most: int | None = None) -> list[int]:
     return sorted({min(pow2_at_least(w), width) for w in range(1, min(width, most or width) + 1)})
 
 
+def _symbolic() -> None:
+    """What compilations with symbolic shapes need: sizes not "duck-shaped", and room for many compilations."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    _many_compilations()
+
+
 def _many_compilations() -> None:
     # shapes are specialized (a model's weights, a step's rows): every model shape in the process (a target and its
     # draft, a bench's several) adds its own compilations; torch's default limit of 8 would send the ninth to eager
@@ -65,10 +73,7 @@ def compiled_pieces():
     from . import llama
 
     if "pieces" not in _COMPILED:
-        import torch.fx.experimental._config as fx_config
-
-        fx_config.use_duck_shape = False
-        _many_compilations()
+        _symbolic()
         _COMPILED["pieces"] = llama.Pieces(*(torch.compile(f, dynamic=True, fullgraph=True)
                                              for f in (llama._first, llama._between, llama._last)))
     return _COMPILED["pieces"]
@@ -82,7 +87,7 @@ def fused_pieces(compile: bool):
     key = f"fused-{compile}"
     if key not in _COMPILED:
         if compile:
-            compiled_pieces()  # (the settings its compilations need)
+            _symbolic()
             _COMPILED[key] = fused.pieces(torch.compile(llama.rms_norm, dynamic=True, fullgraph=True))
         else:
             _COMPILED[key] = fused.pieces()

@@ -274,9 +274,9 @@ class ModelRunner:
         return step, self.logits(hidden[-1].gather(1, join.at[:, :, None].expand(-1, -1, hidden[-1].shape[-1])))
 
     def _checks(self, graphed: bool) -> bool:
-        """Whether a shape's first fast step is checked: where graphs are captured or the layer compiled (on
-        CPU the static steps are the eager computation), or when a test injects a fault."""
-        return (graphed and self.graphs.capture) or self.pieces is not llama.EAGER \
+        """Whether a shape's first fast step is checked: where graphs are captured, the pieces compiled or fused
+        (on CPU the static steps are otherwise the eager computation), or when a test injects a fault."""
+        return (graphed and self.graphs.capture) or self.pieces is not llama.EAGER or self.fused is not None \
             or self.fault is not None
 
     def _first(self, key: tuple, fast, eager, compared: Callable = itemgetter(0)):

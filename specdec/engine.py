@@ -130,6 +130,7 @@ class SpecEngine:
         max_draft = self.method.max_draft(spec)
         # steps wider than this run eagerly, so that the captured steps are few and planned (specdec/exec/memory.py)
         self.graph_width = max_draft + 1
+        self.tree_width = spec.max_nodes + 1 if self.method.siblings(spec) else 0  # and token trees' (a root and nodes)
         self.device_memory = lambda: memory.device_memory(self.device)  # (free, total) bytes; None: not planned
         self.caches: memory.Caches | None = None  # the sizes of the models' caches (`hold` allocates them)
         self.need: memory.Need | None = None  # what the memory plan sized the last batch to (None: no plan)
@@ -229,7 +230,7 @@ class SpecEngine:
             roles.append(memory.Role(name, memory.Shape.of(model, vocab), graphs))
         return memory.MemoryPlan(roles, self.gpu_memory_fraction, total, total - free - freed, self.graph_width,
                                  ModelRunner.min_kv_bucket, prompt_top_ids=self.method.prompt_top_ids(self.spec),
-                                 tree_width=self.spec.max_nodes + 1 if self.method.siblings(self.spec) else 0,
+                                 tree_width=self.tree_width,
                                  additive_mask=self.device.type == "cuda", prefill_chunk=self.prefill_chunk,
                                  paged=self.kv_cache == "paged",
                                  flex=self.kv_cache == "paged" and self.paged_attention == "flex", block=self.kv_block)
@@ -296,6 +297,7 @@ class SpecEngine:
             runner = ModelRunner(model, cache, *self.output_head(name), lean=self.fast_path, graphs=self.step_graphs,
                                  fault=self.step_fault)
             runner.max_graph_width = self.graph_width
+            runner.max_tree_width = self.tree_width if name == "target" else 0
             self._runners[name] = runner
         self.caches = caches
 
@@ -365,7 +367,7 @@ class SpecEngine:
     def capture_steps(self, rows: int, shortest: int, longest: int, policy: LengthPolicy | None = None) -> None:
         """Capture now, before any row joins, the steps a batch of up to `rows` rows whose rows hold from `shortest`
         to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`; as wide as `policy` drafts,
-        and the verify widths explored beyond) at every row, width and window bucket; the whole batch's first,
+        and the verify widths explored beyond; token trees as wide as the method's) at every row, width and window bucket; the whole batch's first,
         narrow windows first, for up to `capture_budget` seconds (a step left out runs through a captured one that
         covers it, and is captured once met often: `ModelRunner.cover`); then the compiled pieces prefills and
         joining rows run (`ModelRunner.warm_pieces`). Nothing where no steps are captured (a CPU by default)."""
@@ -374,18 +376,19 @@ class SpecEngine:
         if not runners:
             return
         some = next(iter(runners.values()))
-        buckets = sorted({some.key(n, 1, 1, True)[0] for n in range(1, rows + 1)}, reverse=True)
-        lo, hi = some.key(1, 1, shortest, True)[2], some.key(1, 1, longest, True)[2]
+        buckets = sorted({some.key(n, 1, 1, "all")[0] for n in range(1, rows + 1)}, reverse=True)
+        lo, hi = some.key(1, 1, shortest, "all")[2], some.key(1, 1, longest, "all")[2]
         windows = [kv for kv in memory.kv_buckets(some.cache.max_len, some.min_kv_bucket) if lo <= kv <= hi]
         deadline = t0 + self.capture_budget
         most = policy.most_drafted() if policy is not None else None
         if most is not None:  # a round verifies k + 1 tokens, or a width up to `pad` wider (VerifyWidths)
             most += 1 + (self.context.widths.tuning.pad if self.context.widths is not None else 0)
-        kinds = {name: memory.step_kinds(name, runner.max_graph_width, most) for name, runner in runners.items()}
+        kinds = {name: memory.step_kinds(name, runner.max_graph_width, most, runner.max_tree_width)
+                 for name, runner in runners.items()}
         for r in buckets:
             for kv in windows:
                 for name, runner in runners.items():
-                    runner.capture([(r, w, kv, not last) for w, last in kinds[name]], deadline)
+                    runner.capture([(r, w, kv, out) for w, out in kinds[name]], deadline)
         for runner in runners.values():  # steps of shapes left out run through covering ones (ModelRunner.cover)
             runner.sealed = True
             runner.warm_pieces()  # and what prefills and joining rows compile, compiled before rows join

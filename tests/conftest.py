@@ -117,3 +117,25 @@ def reference(target, prompts):
                               min_new_tokens=MAX_NEW, do_sample=False)
         out.append(ids[0, len(p):].tolist())
     return out
+
+
+@pytest.fixture(scope="session")
+def repeating():
+    """Prompts that repeat themselves, so that prompt lookups hit."""
+    import torch
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 96, (n,), generator=g).tolist() * 3 for n in (5, 17, 1, 9, 30, 3, 12, 8)]
+
+
+@pytest.fixture(scope="session")
+def greedy(target, repeating):
+    """transformers' own greedy decoding of the repeating prompts, one at a time."""
+    import torch
+
+    from engine_models import LOOKUP_NEW
+    out = []
+    for p in repeating:
+        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=LOOKUP_NEW,
+                              min_new_tokens=LOOKUP_NEW, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out

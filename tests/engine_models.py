@@ -16,6 +16,7 @@ from specdec.engine import SpecEngine
 from specdec.exec.models import ModelPair
 
 MAX_NEW = 24  # new tokens per row in the engine tests (the `reference` fixture's length)
+LOOKUP_NEW = 40  # and in prompt lookup's (the `greedy` fixture's, over the `repeating` prompts)
 
 # SPECBATCH_TEST_DEVICE=cuda runs the engine tests on a GPU (CI has none: CPU by default)
 DEVICE = os.environ.get("SPECBATCH_TEST_DEVICE", "cpu")

@@ -44,19 +44,26 @@ def job(method: str, draft_length: str, kv_cache: str, budget: float, **spec):
     return eng, out, at_start[0], shapes(eng)
 
 
-@pytest.mark.parametrize("method,draft_length,kv_cache", [
-    ("none", "fixed", "dense"), ("draft_model", "fixed", "dense"), ("draft_model", "goodput", "dense"),
-    ("draft_model", "goodput", "paged"), ("prompt_lookup", "heuristic", "dense"),
+AASD = {"prompt_lookup": {"alignment_sampling": 2}}  # prompt lookup's token trees
+
+
+@pytest.mark.parametrize("method,draft_length,kv_cache,spec", [
+    ("none", "fixed", "dense", {}), ("draft_model", "fixed", "dense", {}), ("draft_model", "goodput", "dense", {}),
+    ("draft_model", "goodput", "paged", {}), ("prompt_lookup", "heuristic", "dense", {}),
+    ("prompt_lookup", "fixed", "paged", AASD),
 ])
-def test_a_job_meets_no_step_it_did_not_capture_before_its_rows_joined(method, draft_length, kv_cache):
-    eng, out, before, after = job(method, draft_length, kv_cache, budget=60.0)
+def test_a_job_meets_no_step_it_did_not_capture_before_its_rows_joined(method, draft_length, kv_cache, spec):
+    eng, out, before, after = job(method, draft_length, kv_cache, budget=60.0, **spec)
     assert after == before, f"met inside the job: {sorted(after - before)}"
-    _, plain, none_before, none_after = job(method, draft_length, kv_cache, budget=0.0)
+    _, plain, none_before, none_after = job(method, draft_length, kv_cache, budget=0.0, **spec)
+    if spec:  # the job met token trees' steps, and the capture plan held them
+        assert any(key[3] == "tree" for _, key in none_after), none_after
     assert not none_before and none_after, "without a budget nothing is captured first, and the job meets its steps"
     assert none_after <= before  # the capture plan holds every step the job meets
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]  # capturing first changes no token
-    widths = {key[1] for _, key in before}
+    widths = {key[1] for _, key in before if key[3] != "tree"}
     assert widths <= set(width_buckets(6)), "steps are padded to the width buckets"
+    assert {key[1] for _, key in before if key[3] == "tree"} <= set(width_buckets(eng.tree_width))  # trees' too
     if method == "draft_model":
         assert sum(r.drafted_tokens for r in out) > 0
         assert {"target", "draft"} == {name for name, _ in before}
@@ -70,8 +77,8 @@ def test_a_fixed_length_captures_only_the_widths_it_drafts():
                               verify_padding=False)
     assert after == before
     assert {key[1] for name, key in before if name == "target"} == {1, 2, 4}
-    assert {(key[1], key[3]) for name, key in before if name == "draft"} == {(1, True), (1, False), (2, False),
-                                                                           (4, False)}
+    assert {(key[1], key[3]) for name, key in before if name == "draft"} == {(1, "all"), (1, "last"), (2, "last"),
+                                                                           (4, "last")}
 
 
 def test_steps_padded_to_a_width_bucket_give_the_unpadded_steps_tokens():

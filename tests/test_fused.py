@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_models import DEVICE, MAX_NEW, pair
+from engine_models import DEVICE, LOOKUP_NEW, MAX_NEW, pair
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.exec import fused, llama
@@ -115,3 +115,20 @@ def test_captured_steps_through_the_fused_kernels_give_transformers_greedy_rows(
     layers = len(target.model.layers)
     assert calls["product"] >= 2 * 3 * layers * MAX_NEW  # three a layer a step, at the least, at batch 8 and 1
     assert 3 <= calls["widest"] <= fused.MAX_TOKENS  # several tokens a row (verifications, the draft's catch-up)
+
+
+def test_token_trees_through_the_fused_kernels_give_transformers_greedy_rows(target, repeating, greedy, monkeypatch):
+    """AASD's token trees (prompt lookup, 2 deep with 2 siblings a node: up to 7 tokens with the root) at batch 1
+    through the static steps: the trees' steps fused (at most MAX_TOKENS tokens), none falls back to eager, and
+    float32 greedy rows equal transformers' generate."""
+    monkeypatch.setattr(ModelRunner, "fuse_products", True)
+    spec = SpecConfig(method="prompt_lookup", draft_length="fixed", num_draft_tokens=2, max_draft_tokens=2,
+                      prompt_lookup={"alignment_sampling": 2})
+    engine = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=LOOKUP_NEW), spec, batch_size=1, step_graphs=True)
+    out = engine.generate(repeating)
+    runner = engine._runners["target"]
+    assert runner.path.startswith("graphs+fused" if DEVICE == "cuda" else "lean+fused"), runner.path
+    assert runner.checked and not runner.eager, runner.eager
+    trees = [key for key in runner.checked if key[3] == "tree"]
+    assert trees and all(rows * width <= fused.MAX_TOKENS for rows, width, _, _ in trees), runner.checked
+    assert [r.token_ids for r in out] == greedy

@@ -112,10 +112,12 @@ def _visit(eng, keys: dict[str, set]) -> None:
     for name, runner in eng._runners.items():
         dev = runner.device
         runner.sealed = False  # a long job meets each step often enough to capture it (ModelRunner.cover)
-        for rows, width, kv, full in sorted(keys.get(name, ())):
+        for rows, width, kv, out in sorted(keys.get(name, ())):
             positions = (kv - width + torch.arange(width, device=dev))[None, :].expand(rows, width)
             tokens = torch.zeros((rows, width), dtype=torch.int64, device=dev)
-            runner.step(tokens, positions, kv, last=None if full else torch.full((rows,), width - 1, device=dev))
+            last = torch.full((rows,), width - 1, device=dev) if out == "last" else None
+            tree = (torch.arange(kv, device=dev) <= positions[:, :, None])[:, None] if out == "tree" else None
+            runner.step(tokens, positions, kv, last, slots=None if tree is None else positions, mask=tree)
 
 
 def captured(eng) -> dict[str, set]:
@@ -213,9 +215,12 @@ def test_the_plan_covers_what_a_run_allocates(models, kept_graphs, method, bs, l
     assert peak.peak <= need.total <= 2.5 * peak.peak, (peak.peak, need)
 
 
-def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs):
-    """Per key, the plan's bytes are the static inputs and outputs the runner keeps for it, exactly."""
-    eng = make_engine(models, "draft_model", bs=3, max_new=20, m=3)
+@pytest.mark.parametrize("method,extra", [("draft_model", {}),
+                                          ("prompt_lookup", {"prompt_lookup": {"alignment_sampling": 2}})])
+def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs, method, extra):
+    """Per key, the plan's bytes are the static inputs and outputs the runner keeps for it, exactly (AASD's token
+    trees: their slots and masks too)."""
+    eng = make_engine(models, method, bs=3, max_new=20, m=3, **extra)
     eng.generate(prompts_of([70, 8, 33]))
     plan = eng.memory_plan()
     keys = plan.keys(eng.need.rows, eng.need.max_len)
@@ -226,7 +231,7 @@ def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs):
             static = graphs.graphs[key][1]
             kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in tree_flatten((static, graphs.kept[key]))[0]}
-            assert sum(kept.values()) == role.shape.kept(key[0], key[1], not key[3]), key
+            assert sum(kept.values()) == role.shape.kept(*key), key
 
 
 def test_the_prefill_estimate_bounds_a_measured_prefill(models):

@@ -7,39 +7,23 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine_models import noisy_copy, pair, tiny_llama
+from engine_models import LOOKUP_NEW as NEW, noisy_copy, pair, tiny_llama
 from specdec.sched.slots import Slots
 from specdec.config import SamplingParams, SpecConfig
 from specdec.engine import SpecEngine
 from specdec.spec.sampling import Rows
 from specdec.spec.trees import tree_inputs, verify_tree
 
-NEW = 40
-
-
-@pytest.fixture(scope="module")
-def repeating():
-    """Prompts that repeat themselves, so that lookups hit."""
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 96, (n,), generator=g).tolist() * 3 for n in (5, 17, 1, 9, 30, 3, 12, 8)]
-
-
-@pytest.fixture(scope="module")
-def greedy(target, repeating):
-    """transformers' own greedy decoding of the repeating prompts."""
-    out = []
-    for p in repeating:
-        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=NEW, min_new_tokens=NEW,
-                              do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
-
-
-def generate(target, draft, prompts, bs=8, fast_path=True, **spec):
+def generate(target, draft, prompts, bs=8, fast_path=True, graphs=None, **spec):
     spec = {"num_draft_tokens": 4, "draft_length": "fixed", **spec}
     eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=NEW), SpecConfig(**spec), batch_size=bs,
-                     fast_path=fast_path)
-    return eng.generate(prompts)
+                     fast_path=fast_path, step_graphs=graphs)
+    out = eng.generate(prompts)
+    if graphs:  # the static steps it ran (none fell back)
+        runner = eng._runners["target"]
+        assert not runner.eager, runner.eager
+        generate.keys = set(runner.graphs.graphs)
+    return out
 
 
 def rate(results) -> float:
@@ -50,12 +34,15 @@ def rate(results) -> float:
 def test_prompt_lookup_with_and_without_trees_is_target_greedy(target, repeating, greedy, bs):
     runs = {}
     for s in (0, 2):
-        for fast in (True, False) if bs == 8 else (True,):  # the lean forward and transformers' modules
-            out = generate(target, None, repeating, bs, fast, method="prompt_lookup",
+        # the lean forward, as static steps (a GPU's captured steps, trees' too, run eagerly) and transformers' modules
+        for fast, graphs in ((True, None), (True, True), (False, None)) if bs == 8 else ((True, None), (True, True)):
+            out = generate(target, None, repeating, bs, fast, graphs, method="prompt_lookup",
                            prompt_lookup={"alignment_sampling": s})
             assert [r.token_ids for r in out] == greedy
             assert all(r.verification == "lossless" for r in out)
             runs[s] = out
+            if graphs:
+                assert any(out == "tree" for *_, out in generate.keys) == (s > 0), generate.keys
     # the trees were real: more nodes verified, more tokens accepted, fewer target calls
     assert sum(r.drafted_tokens for r in runs[2]) > sum(r.drafted_tokens for r in runs[0])
     assert sum(r.accepted_tokens for r in runs[2]) > sum(r.accepted_tokens for r in runs[0])

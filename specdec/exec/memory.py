@@ -8,9 +8,10 @@ allocation replaces them):
   one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
   (specdec/exec/cache.py): its pool's slots instead, and its block tables;
 - captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
-  (logits and hidden states) for good; a key is (row bucket, width bucket, KV bucket, all positions or the last), and
-  the engine graphs no step wider than `width`, so the keys are few and known; their pool also holds the
-  working memory of one step (over a paged pool with `flex`, its block mask: `FLEX_MASK_BYTES` per row and block);
+  (logits and hidden states) for good; a key is (row bucket, width bucket, KV bucket, all positions, the last or a
+  token tree's), and the engine graphs no step wider than `width` (a tree's: `tree_width`), so the keys are few and
+  known; their pool also holds the working memory of one step (over a paged pool with `flex`, its block mask:
+  `FLEX_MASK_BYTES` per row and block);
 - activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
   first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), a round (one step,
   and the float32 work on the draft's and the target's distributions) with one row's last chunk of prefill in
@@ -111,11 +112,12 @@ class Shape:
             out = n * (self.d * e + 1 + 16 * top_ids) + min(n, max(1, TOP_CHUNK // self.vocab)) * self.vocab * e
         return max(attention, mlp) + out
 
-    def kept(self, rows: int, width: int, last: bool) -> int:
-        """Bytes a captured step of `rows` rows and `width` tokens keeps: its static inputs (tokens and positions,
-        and each row's last position) and its outputs (logits and hidden states, of every position or the last)."""
-        inputs = 16 * rows * width + (8 * rows if last else 0)
-        return inputs + rows * (1 if last else width) * (self.vocab + self.d) * self.itemsize
+    def kept(self, rows: int, width: int, kv: int, out: str) -> int:
+        """Bytes a captured step of `rows` rows and `width` tokens over `kv` slots whose `out` is "all", "last" or
+        "tree" (`ModelRunner.key`) keeps: its static inputs (tokens and positions; each row's last position; a
+        tree's slots and boolean mask) and its outputs (logits and hidden states, of every position or the last)."""
+        inputs = 16 * rows * width + {"last": 8 * rows, "tree": rows * width * (8 + kv)}.get(out, 0)
+        return inputs + rows * (1 if out == "last" else width) * (self.vocab + self.d) * self.itemsize
 
 
 def quarter_steps(n: int) -> int:
@@ -151,18 +153,19 @@ class Role:
     shape: Shape
     graphs: bool  # its steps replay captured graphs
 
-    def step_kinds(self, width: int) -> list[tuple[int, bool]]:
-        return step_kinds(self.name, width)
+    def step_kinds(self, width: int, tree: int = 0) -> list[tuple[int, str]]:
+        return step_kinds(self.name, width, tree=tree)
 
 
-def step_kinds(name: str, width: int, most: int | None = None) -> list[tuple[int, bool]]:
-    """(width, last) of the captured steps a round of model `name` takes, widths padded to their buckets
-    (`width_buckets`; `most`: of steps up to `most` tokens wide only): the target verifies every position of up to
-    `width` tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
+def step_kinds(name: str, width: int, most: int | None = None, tree: int = 0) -> list[tuple[int, str]]:
+    """(width, out) of the captured steps a round of model `name` takes (`ModelRunner.key`), widths padded to their
+    buckets (`width_buckets`; `most`: of steps up to `most` tokens wide only): the target verifies every position
+    ("all") of up to `width` tokens, and token trees ("tree") of 3 (a root and two siblings) to `tree` tokens; the
+    draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
     widths = width_buckets(width, most)
     if name == "target":
-        return [(w, False) for w in widths]
-    return [(1, False)] + [(w, True) for w in widths]
+        return [(w, "all") for w in widths] + [(w, "tree") for w in width_buckets(tree) if w >= 3]
+    return [(1, "all")] + [(w, "last") for w in widths]
 
 
 @dataclass
@@ -225,15 +228,16 @@ class MemoryPlan:
         kv = slots * sum(r.shape.kv_per_token for r in self.roles) + (8 + 4 * self.prompt_top_ids) * batch * row_len
         if pool is not None:
             kv += len(self.roles) * 8 * rows * blocks_for(max_len, self.block)
-        graphs = sum(role.shape.kept(r, w, not full) for role in self.roles
-                     for r, w, _, full in self.keys(rows, max_len).get(role.name, ()))
+        graphs = sum(role.shape.kept(r, w, kv, out) for role in self.roles
+                     for r, w, kv, out in self.keys(rows, max_len).get(role.name, ()))
+        verify = max(self.width, self.tree_width)  # a round's widest verification: a chain's, or a tree's
         if graphs:  # and the pool keeps the working memory of the widest step captured
-            graphs += max(self._forward(role, rows, self.width, max_len, "all") for role in self.roles if role.graphs)
+            graphs += max(self._forward(role, rows, verify if role is self.roles[0] else self.width, max_len, "all")
+                          for role in self.roles if role.graphs)
             if self.flex and pool is not None:
                 graphs += FLEX_MASK_BYTES * rows * (pool // self.block)
         step_rows = min(pow2_at_least(batch), rows)  # a round's step: its rows padded to a bucket
         vocab = max(r.shape.vocab for r in self.roles)
-        verify = max(self.width, self.tree_width)  # a round's widest verification: a chain's, or a tree's (eager)
         round_ = self._forward(self.roles[0], step_rows, verify, max_len, "all") \
             + ROUND_FLOATS * 4 * step_rows * verify * vocab \
             + (TREE_BYTES * batch * row_len * (self.width - 1) if self.tree_width else 0)
@@ -262,10 +266,11 @@ class MemoryPlan:
         return max(self.prefill(role, batch, row_len), self._forward(role, batch, 1, row_len, "last"))
 
     def keys(self, rows: int, max_len: int) -> dict[str, set[tuple]]:
-        """Per model whose steps are captured, every key (rows, width, window, all positions) a runner over caches
-        of `rows` rows x `max_len` slots can capture (specdec/exec/runner.py)."""
+        """Per model whose steps are captured, every key (rows, width, window, out) a runner over caches of `rows`
+        rows x `max_len` slots can capture (`ModelRunner.key`)."""
         windows = kv_buckets(max_len, self.kv_bucket)
-        return {role.name: {(r, w, kv, not last) for r in row_buckets(rows) for w, last in role.step_kinds(self.width)
+        return {role.name: {(r, w, kv, out) for r in row_buckets(rows)
+                            for w, out in role.step_kinds(self.width, self.tree_width if role is self.roles[0] else 0)
                             for kv in windows} for role in self.roles if role.graphs}
 
     def _forward(self, role: Role, rows: int, tokens: int, kv: int, logits: str) -> int:

@@ -2,10 +2,10 @@
 
 Two paths behind one interface:
 - the lean path, for Llama-family models (specdec/exec/llama.py): one function of plain tensors; on a GPU
-  every step (verification, draft steps, the draft's catch-up) replays a CUDA graph captured per
-  (row bucket, width bucket, cache-length bucket), with the decoder layer compiled. Rows and widths are
-  padded to powers of two (junk rows compute on free cache rows, junk columns on slots past their row's
-  tokens; their results are dropped) and the attention reads a power-of-two bucket of slots, so a handful
+  every step (verification of chains or token trees, draft steps, the draft's catch-up) replays a CUDA graph
+  captured per (row bucket, width bucket, cache-length bucket, outputs), with the decoder layer compiled. Rows
+  and widths are padded to powers of two (junk rows compute on free cache rows, junk columns on slots past their
+  row's tokens; their results are dropped) and the attention reads a power-of-two bucket of slots, so a handful
   of graphs serve a whole job, and `capture` takes them all before the job's rows join.
 - the generic path: transformers' own modules over the cache (any decoder-only model), eager.
 
@@ -44,6 +44,7 @@ _said: set[str] = set()  # fallback reasons already logged by this process
 
 class ModelRunner:
     max_graph_width = 32  # wider steps (a draft catching up on many tokens) run eagerly
+    max_tree_width = 32  # and wider token trees' steps (the engine sets both to what its memory plan counts)
     min_kv_bucket = 64
     # once a job's steps are captured (`sealed`), a step of a shape not captured yet runs through a captured one that
     # covers it (`cover`) the first COVER_STEPS times it is met, and is captured after that: shapes a job meets a few
@@ -166,8 +167,7 @@ class ModelRunner:
         """Forward rows [0, n) (tokens, positions [n, t]; every position < kv_len). Returns logits at every
         position [n, t, vocab] and the hidden states [n, t, d]; or, given `last` [n], each row's logits
         [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
-        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/spec/trees.py;
-        it runs eagerly)."""
+        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/spec/trees.py)."""
         return self._forward(tokens, positions, kv_len, last, slots, mask)
 
     def _forward(self, tokens, positions, kv_len, last=None, slots=None, mask=None, exact=False):
@@ -175,19 +175,21 @@ class ModelRunner:
         kv_len = min(kv_len, self.cache.max_len)
         eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
                         pieces=llama.EAGER)
-        graphed = self.graphs is not None and t <= self.max_graph_width and mask is None
+        out = "tree" if mask is not None else "all" if last is None else "last"
+        graphed = self.graphs is not None and t <= (self.max_tree_width if mask is not None else self.max_graph_width)
         if graphed:
-            key = self.key(n, t, kv_len, last is None)
+            key = self.key(n, t, kv_len, out)
             key = rows, width, kv, _ = key if exact else self.cover(key)
-            if width > t:  # junk columns after each row's last, at the next positions (slots no token reads yet)
-                tokens = F.pad(tokens, (0, width - t))
-                positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, width - t + 1,
-                                                                                   device=positions.device)], 1)
-            inputs = (tokens, positions) if last is None else (tokens, positions, last)
+            if mask is not None:
+                inputs = _tree_inputs(rows, width, kv, tokens, positions, slots, mask)
+            else:
+                inputs = _padded(width, tokens, positions) + (() if last is None else (last,))
 
             def fast():
                 few = self.fused is not None and rows * width <= fused.MAX_TOKENS
                 step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None)
+                if mask is not None:  # a token tree: its slots and mask are inputs too
+                    step = partial(_tree_step, step)
                 logits, hidden = self.graphs.run(key, step, rows, *inputs)
                 return (logits[:n], hidden[:n]) if last is not None else (logits[:n, :t], hidden[:n, :t])
         else:
@@ -207,13 +209,15 @@ class ModelRunner:
             return fast()
         return self._first(key, fast, eager, compared)
 
-    def key(self, n: int, t: int, kv_len: int, full: bool) -> tuple[int, int, int, bool]:
-        """The captured step that serves a step of n rows x t tokens attending over kv_len slots (`full`: logits at
-        every position, else each row's last): (rows, width, window, full), each padded to its bucket."""
-        return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), self.max_graph_width),
-                min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len), full)
+    def key(self, n: int, t: int, kv_len: int, out: str) -> tuple[int, int, int, str]:
+        """The captured step that serves a step of n rows x t tokens attending over kv_len slots whose `out` is
+        "all" (logits at every position), "last" (each row's last) or "tree" (every position's, a token tree's
+        step: its slots and mask are inputs): (rows, width, window, out), each padded to its bucket."""
+        most = self.max_tree_width if out == "tree" else self.max_graph_width
+        return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), most),
+                min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len), out)
 
-    def cover(self, key: tuple[int, int, int, bool]) -> tuple[int, int, int, bool]:
+    def cover(self, key: tuple[int, int, int, str]) -> tuple[int, int, int, str]:
         """The captured step to run a step of `key` through: `key` itself where it is captured, not `sealed`, or met
         more than COVER_STEPS times (then captured now); else the captured step of the fewest rows x tokens (then the
         shortest window) with as many rows, tokens and slots or more and the same outputs, where there is one.
@@ -223,27 +227,30 @@ class ModelRunner:
         self.met[key] = self.met.get(key, 0) + 1
         if self.met[key] > self.COVER_STEPS:
             return key
-        rows, width, kv, full = key
-        covers = [k for k in self.graphs.graphs if k[3] == full and k[0] >= rows and k[1] >= width and k[2] >= kv
+        rows, width, kv, out = key
+        covers = [k for k in self.graphs.graphs if k[3] == out and k[0] >= rows and k[1] >= width and k[2] >= kv
                   and k not in self.eager]
         return min(covers, key=lambda k: (k[0] * k[1], k[2]), default=key)
 
-    def capture(self, keys: list[tuple[int, int, int, bool]], deadline: float) -> int:
-        """Run now each step of `keys` ((rows, width, window, full), in order) that has not run on the fast path,
+    def capture(self, keys: list[tuple[int, int, int, str]], deadline: float) -> int:
+        """Run now each step of `keys` ((rows, width, window, out), in order) that has not run on the fast path,
         over junk inputs, until `time.perf_counter()` passes `deadline`: captured on a GPU and checked against
         eager (what `step` runs, not a step of the job's), so that the rounds meet it ready. Its rows [0, rows)
         write slots 0 .. width - 1 of their cache rows (table rows a paged cache's rows do not own point at its
         scratch block): call it before rows join. Returns how many ran."""
         ran = 0
-        for rows, width, kv, full in keys:
+        for key in keys:
             if self.graphs is None or time.perf_counter() >= deadline:
                 break
-            if (rows, width, kv, full) in self.graphs.graphs or (rows, width, kv, full) in self.eager:
+            if key in self.graphs.graphs or key in self.eager:
                 continue
+            rows, width, kv, out = key
             tokens = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
             positions = torch.arange(width, device=self.device).expand(rows, width)
-            self._forward(tokens, positions, kv, None if full else torch.zeros(rows, dtype=torch.int64,
-                                                                                device=self.device), exact=True)
+            last = torch.zeros(rows, dtype=torch.int64, device=self.device) if out == "last" else None
+            causal = torch.arange(kv, device=self.device) <= positions[:, :, None] if out == "tree" else None
+            self._forward(tokens, positions, kv, last, None if causal is None else positions,
+                          None if causal is None else causal[:, None], exact=True)
             ran += 1
         return ran
 
@@ -317,6 +324,41 @@ class ModelRunner:
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
         return self.logits(hidden), hidden
+
+
+def _continued(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Positions or slots [n, t] continued to `width` columns, each row's next ones after its last."""
+    t = x.shape[1]
+    return x if width == t else torch.cat([x, x[:, -1:] + torch.arange(1, width - t + 1, device=x.device)], 1)
+
+
+def _padded(width: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's tokens and positions [n, t] padded to `width` columns: junk columns after each row's last, at the
+    next positions (slots no token reads yet)."""
+    return F.pad(tokens, (0, width - tokens.shape[1])), _continued(positions, width)
+
+
+def _tree_inputs(rows: int, width: int, kv: int, tokens, positions, slots, mask) -> tuple[torch.Tensor, ...]:
+    """A token tree's step inputs (tokens, positions, slots [n, t], mask [n, 1, t, >= kv_len]) as a captured step of
+    `rows` rows x `width` tokens over `kv` slots takes them: junk columns after each row's last node, at the next
+    positions and slots, each seeing what the row's last node sees; junk rows at slot 0, seeing it alone (a query
+    that saw nothing would write NaN into the free cache rows junk rows run on)."""
+    n, t = tokens.shape
+    tokens, positions = _padded(width, tokens, positions)
+    mask = mask[..., :kv]
+    mask = torch.cat([mask, mask[:, :, -1:].expand(n, 1, width - t, mask.shape[-1])], 2)
+    mask = F.pad(mask, (0, kv - mask.shape[-1]))
+    parts = [tokens, positions, _continued(slots, width), mask]
+    if rows > n:
+        sees = torch.arange(kv, device=mask.device) == 0
+        junk = [tokens.new_zeros((rows - n, width))] * 3 + [sees.expand(rows - n, 1, width, kv)]
+        parts = [torch.cat([x, j]) for x, j in zip(parts, junk)]
+    return tuple(parts)
+
+
+def _tree_step(step: Callable, tokens, positions, slots, mask):
+    """step(tokens, positions) of a token tree: writing at `slots`, under `mask`."""
+    return step(tokens, positions, slots=slots, mask=mask)
 
 
 def _rows(hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:

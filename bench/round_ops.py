@@ -4,7 +4,8 @@ on any machine. A tiny random pair (64 wide, 2,048-token vocabulary, `--layers` 
 depth shows there), greedy, 16-29-token prompts (`--trees`: a 9-token phrase repeated, so that prompt lookup
 finds it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there);
 the count is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in
-it too: per job, not per round). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K; `--trees`:
+it too: per job, not per round). `eager fwd`: a round's ops inside forwards no captured step holds (a GPU launches
+each, or fewer where the compiled pieces fuse those between the attentions). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K; `--trees`:
 prompt lookup's chains and AASD token trees (2 siblings; K=3); each on dense rows and, with `--paged`, a paged
 cache. `--ahead-pays`: rounds drafted ahead as on a GPU (prompt lookup's from the device's tokens).
 `--job J`: J times as many prompts as the batch has rows, each row its own max_new_tokens (8-32), so that rows
@@ -35,16 +36,20 @@ from engine_models import noisy_copy, pair, tiny_llama  # noqa: E402
 
 from specdec.config import SamplingParams, SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
+from specdec.exec.graphs import StepGraphs  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 
 
 class Ops(TorchDispatchMode):
-    """Counts the ops dispatched outside `ModelRunner._step` (a forward), by the innermost specdec function."""
+    """Counts the ops dispatched outside `ModelRunner._step` (a forward), by the innermost specdec function; and inside
+    the forwards no graph holds (`eager`: not under `StepGraphs.run`; a GPU runs those eagerly)."""
 
     def __init__(self):
         super().__init__()
         self.where: collections.Counter = collections.Counter()
         self.inside = 0
+        self.graphed = 0  # inside `StepGraphs.run`
+        self.eager = 0  # ops of forwards outside it
         self.top = 12  # functions a case lists
         self.joins = 0  # forwards that took joining rows (`ModelRunner.step_joined`), and their ops
         self.join_ops = 0
@@ -63,6 +68,8 @@ class Ops(TorchDispatchMode):
         return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and not self.graphed and not func.is_view:
+            self.eager += 1
         if not self.inside and not func.is_view:  # views launch nothing
             frames = [f for f in traceback.extract_stack() if f"{os.sep}specdec{os.sep}" in f.filename]
             at = frames[-1] if frames else None
@@ -93,7 +100,7 @@ def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter:
                                      for m in torch.randint(8, 33, (len(prompts),), generator=g)]
     eng.generate(prompts, params=params)  # warm
     counter.where.clear()
-    counter.joins = counter.join_ops = 0
+    counter.joins = counter.join_ops = counter.eager = 0
     before = eng.context.staging.rounds
     with counter:
         eng.generate(prompts, params=params)
@@ -101,8 +108,8 @@ def case(name: str, layers: int, bs: int, kv_cache: str, target, draft, counter:
     top = ", ".join(f"{n / rounds:.1f} {where}" for where, n in counter.where.most_common(counter.top))
     ops = sum(counter.where.values()) / rounds
     per_join = counter.join_ops / max(1, counter.joins)
-    return (f"{name:>5s} {kv_cache:>5s} {layers:6d} {bs:5d} {rounds:6d} {ops:11.1f} {counter.joins:5d} "
-            f"{per_join:10.0f}  {top}")
+    return (f"{name:>5s} {kv_cache:>5s} {layers:6d} {bs:5d} {rounds:6d} {ops:11.1f} {counter.eager / rounds:9.1f} "
+            f"{counter.joins:5d} {per_join:10.0f}  {top}")
 
 
 def pieces(target, counter: Ops) -> str:
@@ -159,10 +166,19 @@ def main():
             counter.joins += 1
             counter.join_ops += sum(counter.where.values()) - before
 
-    ModelRunner._step, ModelRunner.step_joined = counter.uncounted(step), counted_join
+    run = StepGraphs.run
+
+    def graphed(self, *a, **kw):
+        counter.graphed += 1
+        try:
+            return run(self, *a, **kw)
+        finally:
+            counter.graphed -= 1
+
+    ModelRunner._step, ModelRunner.step_joined, StepGraphs.run = counter.uncounted(step), counted_join, graphed
     lines = ["# ops a round dispatches outside the models' forwards (tiny pair, greedy, 32 new tokens, static steps)",
              f"{'case':>5s} {'cache':>5s} {'layers':>6s} {'batch':>5s} {'rounds':>6s} {'ops a round':>11s} "
-             f"{'joins':>5s} {'ops a join':>10s}  most, a round: function"]
+             f"{'eager fwd':>9s} {'joins':>5s} {'ops a join':>10s}  most, a round: function"]
     if args.pieces:
         lines.insert(0, pieces(target, counter))
     print("\n".join(lines), flush=True)
@@ -174,7 +190,7 @@ def main():
                     lines.append(case(name, args.layers, bs, kv_cache, target, draft, counter, args.job))
                     print(lines[-1], flush=True)
     finally:
-        ModelRunner._step, ModelRunner.step_joined = step, joined
+        ModelRunner._step, ModelRunner.step_joined, StepGraphs.run = step, joined, run
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

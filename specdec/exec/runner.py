@@ -335,7 +335,8 @@ def _continued(x: torch.Tensor, width: int) -> torch.Tensor:
 def _padded(width: int, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's tokens and positions [n, t] padded to `width` columns: junk columns after each row's last, at the
     next positions (slots no token reads yet)."""
-    return F.pad(tokens, (0, width - tokens.shape[1])), _continued(positions, width)
+    t = tokens.shape[1]
+    return (tokens, positions) if width == t else (F.pad(tokens, (0, width - t)), _continued(positions, width))
 
 
 def _tree_inputs(rows: int, width: int, kv: int, tokens, positions, slots, mask) -> tuple[torch.Tensor, ...]:

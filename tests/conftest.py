@@ -108,13 +108,18 @@ def prompts():
 @pytest.fixture(scope="session")
 def reference(target, prompts):
     """Plain greedy from transformers' own generate, one prompt at a time."""
+    from engine_models import MAX_NEW
+    return greedy_rows(target, prompts, MAX_NEW)
+
+
+def greedy_rows(target, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy `generate` of `new` tokens after each prompt, one at a time."""
     import torch
 
-    from engine_models import MAX_NEW
     out = []
     for p in prompts:
-        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=MAX_NEW,
-                              min_new_tokens=MAX_NEW, do_sample=False)
+        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False)
         out.append(ids[0, len(p):].tolist())
     return out
 
@@ -130,12 +135,5 @@ def repeating():
 @pytest.fixture(scope="session")
 def greedy(target, repeating):
     """transformers' own greedy decoding of the repeating prompts, one at a time."""
-    import torch
-
     from engine_models import LOOKUP_NEW
-    out = []
-    for p in repeating:
-        ids = target.generate(torch.tensor([p], device=target.device), max_new_tokens=LOOKUP_NEW,
-                              min_new_tokens=LOOKUP_NEW, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
+    return greedy_rows(target, repeating, LOOKUP_NEW)

@@ -298,6 +298,8 @@ class SpecEngine:
                                  fault=self.step_fault)
             runner.max_graph_width = self.graph_width
             runner.max_tree_width = self.tree_width if name == "target" else 0
+            runner.logits_width = memory.logits_width(memory.step_kinds(name, self.graph_width,
+                                                                        tree=runner.max_tree_width))
             self._runners[name] = runner
         self.caches = caches
 

@@ -218,8 +218,9 @@ def test_the_plan_covers_what_a_run_allocates(models, kept_graphs, method, bs, l
 @pytest.mark.parametrize("method,extra", [("draft_model", {}),
                                           ("prompt_lookup", {"prompt_lookup": {"alignment_sampling": 2}})])
 def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs, method, extra):
-    """Per key, the plan's bytes are the static inputs and outputs the runner keeps for it, exactly (AASD's token
-    trees: their slots and masks too)."""
+    """Per key, the plan's bytes are the static inputs and hidden states the runner keeps for it, exactly (AASD's
+    token trees: their slots and masks too); every key's logits lie in the one buffer the runner's steps share, as
+    large as the plan counts: its rows x its widest step's positions x the vocabulary."""
     eng = make_engine(models, method, bs=3, max_new=20, m=3, **extra)
     eng.generate(prompts_of([70, 8, 33]))
     plan = eng.memory_plan()
@@ -227,10 +228,12 @@ def test_each_captured_key_keeps_what_the_plan_counts(models, kept_graphs, metho
     visit_every_key(eng, keys)
     for role in plan.roles:
         graphs = eng._runners[role.name].graphs
+        shared = graphs._shared
+        assert shared.nbytes == role.shape.logits(eng.need.rows, memory.logits_width(plan.kinds(role)))
         for key in keys[role.name]:
-            static = graphs.graphs[key][1]
-            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tree_flatten((static, graphs.kept[key]))[0]}
+            static, (logits, hidden) = graphs.graphs[key][1], graphs.kept[key]
+            assert logits.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr(), key
+            kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*static, hidden)}
             assert sum(kept.values()) == role.shape.kept(*key), key
 
 

@@ -4,7 +4,8 @@ A decoding step of a small model on a GPU is launch-bound: transformers' eager m
 1 ms per layer in Python and kernel launches whatever the model's size. `StepGraphs` records a step
 once per key (its shapes) and replays it after that: one launch for the whole forward. Inputs are
 copied into the graph's own buffers, outputs are the graph's own tensors (valid until the same key
-runs again). All graphs share one memory pool: they never run at the same time. On a CPU the same
+runs again) or written into one buffer every key shares (`shared`: valid until any step runs). All graphs share
+one memory pool: they never run at the same time. On a CPU the same
 object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
 buffer and padding logic where no GPU is.
 
@@ -114,6 +115,15 @@ class StepGraphs:
         self.capture = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], object]] = {}
+        self._shared: torch.Tensor | None = None
+
+    def shared(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat buffer of `numel` elements every step may write an output into (allocated once: the first call's
+        size and dtype): steps run one at a time, and the caller reads such an output before the next step."""
+        if self._shared is None:
+            self._shared = torch.empty(numel, dtype=dtype, device=self.device)
+        assert self._shared.numel() == numel and self._shared.dtype == dtype
+        return self._shared
 
     def run(self, key: tuple, fn: Callable, rows: int, *inputs: torch.Tensor):
         """fn(*static) through the graph captured for `key` (captured now if new), where the static inputs
@@ -157,11 +167,11 @@ class StepGraphs:
         self.graphs.clear()
 
     def nbytes(self) -> int:
-        """Bytes the captured steps keep (static inputs and outputs)."""
+        """Bytes the captured steps keep (static inputs and outputs, the shared buffer)."""
         from torch.utils._pytree import tree_flatten
 
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tree_flatten(list(self.graphs.values()))[0] if isinstance(t, torch.Tensor)}
+                    for t in tree_flatten([self._shared, *self.graphs.values()])[0] if isinstance(t, torch.Tensor)}
         return sum(storages.values())
 
     def __len__(self) -> int:

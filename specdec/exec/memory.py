@@ -7,11 +7,11 @@ allocation replaces them):
 - the KV caches: rows x the slots the engine allocates (`alloc_len`: rounded up, at most 1.25x, and
   one, not each row's own length) x both models' KV bytes per token, and the batch's token buffer; a paged cache
   (specdec/exec/cache.py): its pool's slots instead, and its block tables;
-- captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and outputs
-  (logits and hidden states) for good; a key is (row bucket, width bucket, KV bucket, all positions, the last or a
-  token tree's), and the engine graphs no step wider than `width` (a tree's: `tree_width`), so the keys are few and
-  known; their pool also holds the working memory of one step (over a paged pool with `flex`, its block mask:
-  `FLEX_MASK_BYTES` per row and block);
+- captured steps (specdec/exec/graphs.py): each key the runner can capture keeps its static inputs and hidden states
+  for good; a key is (row bucket, width bucket, KV bucket, all positions, the last or a token tree's), and the engine
+  graphs no step wider than `width` (a tree's: `tree_width`), so the keys are few and known; their logits go into one
+  buffer per runner (rows x its widest step x vocab); their pool also holds the working memory of one step (over a
+  paged pool with `flex`, its block mask: `FLEX_MASK_BYTES` per row and block);
 - activations, the largest of: the target's prefill of a batch (rows join by a prefill, a whole batch at
   first: forwards of at most `prefill_chunk` tokens, each attending over the whole prompt), a round (one step,
   and the float32 work on the draft's and the target's distributions) with one row's last chunk of prefill in
@@ -115,9 +115,14 @@ class Shape:
     def kept(self, rows: int, width: int, kv: int, out: str) -> int:
         """Bytes a captured step of `rows` rows and `width` tokens over `kv` slots whose `out` is "all", "last" or
         "tree" (`ModelRunner.key`) keeps: its static inputs (tokens and positions; each row's last position; a
-        tree's slots and boolean mask) and its outputs (logits and hidden states, of every position or the last)."""
+        tree's slots and boolean mask) and its hidden states (of every position or the last). Its logits go into the
+        buffer all steps share (`logits`)."""
         inputs = 16 * rows * width + {"last": 8 * rows, "tree": rows * width * (8 + kv)}.get(out, 0)
-        return inputs + rows * (1 if out == "last" else width) * (self.vocab + self.d) * self.itemsize
+        return inputs + rows * (1 if out == "last" else width) * self.d * self.itemsize
+
+    def logits(self, rows: int, width: int) -> int:
+        """Bytes of the buffer a runner's captured steps write their logits into: `rows` rows of `width` positions."""
+        return rows * width * self.vocab * self.itemsize
 
 
 def quarter_steps(n: int) -> int:
@@ -166,6 +171,11 @@ def step_kinds(name: str, width: int, most: int | None = None, tree: int = 0) ->
     if name == "target":
         return [(w, "all") for w in widths] + [(w, "tree") for w in width_buckets(tree) if w >= 3]
     return [(1, "all")] + [(w, "last") for w in widths]
+
+
+def logits_width(kinds: list[tuple[int, str]]) -> int:
+    """The most positions a row of a step of these kinds ((width, out): `step_kinds`) has logits at."""
+    return max((w for w, out in kinds if out != "last"), default=1)
 
 
 @dataclass
@@ -228,8 +238,10 @@ class MemoryPlan:
         kv = slots * sum(r.shape.kv_per_token for r in self.roles) + (8 + 4 * self.prompt_top_ids) * batch * row_len
         if pool is not None:
             kv += len(self.roles) * 8 * rows * blocks_for(max_len, self.block)
-        graphs = sum(role.shape.kept(r, w, kv, out) for role in self.roles
-                     for r, w, kv, out in self.keys(rows, max_len).get(role.name, ()))
+        keys = self.keys(rows, max_len)
+        graphs = sum(role.shape.kept(r, w, window, out) for role in self.roles
+                     for r, w, window, out in keys.get(role.name, ()))
+        graphs += sum(role.shape.logits(rows, logits_width(self.kinds(role))) for role in self.roles if role.graphs)
         verify = max(self.width, self.tree_width)  # a round's widest verification: a chain's, or a tree's
         if graphs:  # and the pool keeps the working memory of the widest step captured
             graphs += max(self._forward(role, rows, verify if role is self.roles[0] else self.width, max_len, "all")
@@ -269,9 +281,12 @@ class MemoryPlan:
         """Per model whose steps are captured, every key (rows, width, window, out) a runner over caches of `rows`
         rows x `max_len` slots can capture (`ModelRunner.key`)."""
         windows = kv_buckets(max_len, self.kv_bucket)
-        return {role.name: {(r, w, kv, out) for r in row_buckets(rows)
-                            for w, out in role.step_kinds(self.width, self.tree_width if role is self.roles[0] else 0)
-                            for kv in windows} for role in self.roles if role.graphs}
+        return {role.name: {(r, w, kv, out) for r in row_buckets(rows) for w, out in self.kinds(role) for kv in windows}
+                for role in self.roles if role.graphs}
+
+    def kinds(self, role: Role) -> list[tuple[int, str]]:
+        """(width, out) of the steps `role`'s runner captures (`step_kinds`)."""
+        return role.step_kinds(self.width, self.tree_width if role is self.roles[0] else 0)
 
     def _forward(self, role: Role, rows: int, tokens: int, kv: int, logits: str) -> int:
         return role.shape.forward(rows, tokens, kv, logits, self.prompt_top_ids, self.additive_mask, self.paged)

@@ -45,6 +45,8 @@ _said: set[str] = set()  # fallback reasons already logged by this process
 class ModelRunner:
     max_graph_width = 32  # wider steps (a draft catching up on many tokens) run eagerly
     max_tree_width = 32  # and wider token trees' steps (the engine sets both to what its memory plan counts)
+    # the most positions a row of a static step has logits at ("all" and "tree" steps; None: the widest step)
+    logits_width: int | None = None
     min_kv_bucket = 64
     # once a job's steps are captured (`sealed`), a step of a shape not captured yet runs through a captured one that
     # covers it (`cover`) the first COVER_STEPS times it is met, and is captured after that: shapes a job meets a few
@@ -158,16 +160,32 @@ class ModelRunner:
             return eager()
         return self._checked(("layer", n > 1, t > 1, False), lambda: forward(self.pieces), eager, compared=_rows)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output head over hidden states [..., d] -> [..., vocab]."""
-        return F.linear(hidden, self.head_weight, self.head_bias)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output head over hidden states [..., d] -> [..., vocab]; into the first elements of `out` (flat) where
+        given (the same product F.linear makes)."""
+        if out is None:
+            return F.linear(hidden, self.head_weight, self.head_bias)
+        flat, w, b = hidden.reshape(-1, hidden.shape[-1]), self.head_weight, self.head_bias
+        into = out[: flat.shape[0] * w.shape[0]].view(flat.shape[0], w.shape[0])
+        torch.mm(flat, w.t(), out=into) if b is None else torch.addmm(b, flat, w.t(), out=into)
+        return into.view(*hidden.shape[:-1], w.shape[0])
+
+    def _shared_logits(self, rows: int, width: int) -> torch.Tensor | None:
+        """The buffer every static step writes its logits into (`StepGraphs.shared`: rows x `logits_width` x vocab),
+        where a step of `rows` x `width` positions fits in it (else None: the step keeps its own)."""
+        width_most = self.logits_width or max(self.max_graph_width, self.max_tree_width)
+        vocab = self.head_weight.shape[0]
+        if rows * width > self.cache.rows * width_most:
+            return None
+        return self.graphs.shared(self.cache.rows * width_most * vocab, self.head_weight.dtype)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int, last: torch.Tensor | None = None,
              slots: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward rows [0, n) (tokens, positions [n, t]; every position < kv_len). Returns logits at every
         position [n, t, vocab] and the hidden states [n, t, d]; or, given `last` [n], each row's logits
         [n, vocab] and hidden state [n, d] at its position last[i]. Graph outputs: read them before the
-        next step of the same shape. A token tree's step gives its cache `slots` and `mask` (specdec/spec/trees.py)."""
+        runner's next step (every static step writes its logits into one buffer). A token tree's step gives its cache
+        `slots` and `mask` (specdec/spec/trees.py)."""
         return self._forward(tokens, positions, kv_len, last, slots, mask)
 
     def _forward(self, tokens, positions, kv_len, last=None, slots=None, mask=None, exact=False):
@@ -187,7 +205,8 @@ class ModelRunner:
 
             def fast():
                 few = self.fused is not None and rows * width <= fused.MAX_TOKENS
-                step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None)
+                out = self._shared_logits(rows, 1 if last is not None else width)
+                step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None, out=out)
                 if mask is not None:  # a token tree: its slots and mask are inputs too
                     step = partial(_tree_step, step)
                 logits, hidden = self.graphs.run(key, step, rows, *inputs)
@@ -315,7 +334,8 @@ class ModelRunner:
                             key, why)
         return ref
 
-    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, pieces=None, attend=False):
+    def _step(self, tokens, positions, last=None, *, kv_len: int, slots=None, mask=None, pieces=None, attend=False,
+              out=None):
         if self.lean is not None:
             hidden = llama.forward(self.lean, self.cache, tokens, positions, kv_len, pieces or self.pieces, slots,
                                    mask, attend=attend)
@@ -323,7 +343,7 @@ class ModelRunner:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
-        return self.logits(hidden), hidden
+        return self.logits(hidden, out), hidden
 
 
 def _continued(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -16,19 +16,21 @@ from specdec.exec.graphs import width_buckets
 
 def shapes(eng) -> set[tuple]:
     """The step shapes every runner of the engine has run on its fast path (on a GPU: captured)."""
-    return {(name, key) for name, r in eng._runners.items() for key in [*r.graphs.graphs, *r.eager]}
+    return {(name, key) for name, r in eng._runners.items() if r.graphs is not None
+            for key in [*r.graphs.graphs, *r.eager]}
 
 
-def job(method: str, draft_length: str, kv_cache: str, budget: float, **spec):
+def job(method: str, draft_length: str, kv_cache: str, budget: float, graphs: bool = True, **spec):
     """A job of 11 prompts of 3-70 tokens through a batch of 5 (row buckets 1, 2, 4, 5), 40 new tokens each (a
-    few rows stop at 17), greedy: the engine, its results, the shapes after its start-up capture and at its end."""
+    few rows stop at 17), greedy, through static steps (or eager ones: `graphs` off): the engine, its results, the
+    shapes after its start-up capture and at its end."""
     target = tiny_llama(seed=4)
     draft = noisy_copy(target, 0.05) if method == "draft_model" else None
     ticks = itertools.count()
     eng = SpecEngine(pair(target, draft), SamplingParams(max_new_tokens=40),
                      SpecConfig(method=method, draft_length=draft_length,
                                 **({"num_draft_tokens": 3, "max_draft_tokens": 5} | spec)),
-                     batch_size=5, step_graphs=True, profile=flat_profile(), clock=lambda: float(next(ticks)),
+                     batch_size=5, step_graphs=graphs, profile=flat_profile(), clock=lambda: float(next(ticks)),
                      kv_cache=kv_cache, capture_budget=budget)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (int(n),), generator=g).tolist() for n in torch.randint(3, 71, (11,), generator=g)]
@@ -56,8 +58,10 @@ def test_a_job_meets_no_step_it_did_not_capture_before_its_rows_joined(method, d
     eng, out, before, after = job(method, draft_length, kv_cache, budget=60.0, **spec)
     assert after == before, f"met inside the job: {sorted(after - before)}"
     _, plain, none_before, none_after = job(method, draft_length, kv_cache, budget=0.0, **spec)
-    if spec:  # the job met token trees' steps, and the capture plan held them
+    if spec:  # the job met token trees' steps, the capture plan held them, and eager steps give the same rows
         assert any(key[3] == "tree" for _, key in none_after), none_after
+        eager = job(method, draft_length, kv_cache, budget=0.0, graphs=False, **spec)[1]
+        assert [r.token_ids for r in out] == [r.token_ids for r in eager]
     assert not none_before and none_after, "without a budget nothing is captured first, and the job meets its steps"
     assert none_after <= before  # the capture plan holds every step the job meets
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]  # capturing first changes no token

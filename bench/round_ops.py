@@ -5,9 +5,10 @@ depth shows there), greedy, 16-29-token prompts (`--trees`: a 9-token phrase rep
 finds it), 32 new tokens, the static padded steps a GPU captures (`step_graphs=True`, each forward one replay there);
 the count is over one warm generate() per case, divided by its rounds (a row's admission and its leaving are in
 it too: per job, not per round). `eager fwd`: a round's ops inside forwards no captured step holds (a GPU launches
-each, or fewer where the compiled pieces fuse those between the attentions). Cases: k=0 autoregressive, k=K a draft model's fixed chains of K; `--trees`:
-prompt lookup's chains and AASD token trees (2 siblings; K=3); each on dense rows and, with `--paged`, a paged
-cache. `--ahead-pays`: rounds drafted ahead as on a GPU (prompt lookup's from the device's tokens).
+each, or fewer where the compiled pieces fuse those between the attentions). Cases: k=0 autoregressive, k=K a draft
+model's fixed chains of K; `--trees`: prompt lookup's chains and AASD token trees (2 siblings; K=3); each on dense
+rows and, with `--paged`, a paged cache. `--ahead-pays`: rounds drafted ahead as on a GPU (prompt lookup's from the
+device's tokens).
 `--job J`: J times as many prompts as the batch has rows, each row its own max_new_tokens (8-32), so that rows
 end at different rounds and queued ones join, their prefill's tail in a round's forward (an eager forward on a
 GPU too: `joins` counts those rounds, `ops a join` what each dispatches).

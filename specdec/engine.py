@@ -369,10 +369,11 @@ class SpecEngine:
     def capture_steps(self, rows: int, shortest: int, longest: int, policy: LengthPolicy | None = None) -> None:
         """Capture now, before any row joins, the steps a batch of up to `rows` rows whose rows hold from `shortest`
         to `longest` slots can meet: each model's kinds of step (`memory.step_kinds`; as wide as `policy` drafts,
-        and the verify widths explored beyond; token trees as wide as the method's) at every row, width and window bucket; the whole batch's first,
-        narrow windows first, for up to `capture_budget` seconds (a step left out runs through a captured one that
-        covers it, and is captured once met often: `ModelRunner.cover`); then the compiled pieces prefills and
-        joining rows run (`ModelRunner.warm_pieces`). Nothing where no steps are captured (a CPU by default)."""
+        and the verify widths explored beyond; token trees as wide as the method's) at every row, width and window
+        bucket; the whole batch's first, narrow windows first, for up to `capture_budget` seconds (a step left out
+        runs through a captured one that covers it, and is captured once met often: `ModelRunner.cover`); then the
+        compiled pieces prefills and joining rows run (`ModelRunner.warm_pieces`). Nothing where no steps are
+        captured (a CPU by default)."""
         t0 = time.perf_counter()
         runners = {name: r for name, r in self._runners.items() if getattr(r, "graphs", None) is not None}
         if not runners:

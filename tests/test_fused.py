@@ -124,7 +124,8 @@ def test_token_trees_through_the_fused_kernels_give_transformers_greedy_rows(tar
     monkeypatch.setattr(ModelRunner, "fuse_products", True)
     spec = SpecConfig(method="prompt_lookup", draft_length="fixed", num_draft_tokens=2, max_draft_tokens=2,
                       prompt_lookup={"alignment_sampling": 2})
-    engine = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=LOOKUP_NEW), spec, batch_size=1, step_graphs=True)
+    engine = SpecEngine(pair(target, None), SamplingParams(max_new_tokens=LOOKUP_NEW), spec, batch_size=1,
+                        step_graphs=True)
     out = engine.generate(repeating)
     runner = engine._runners["target"]
     assert runner.path.startswith("graphs+fused" if DEVICE == "cuda" else "lean+fused"), runner.path

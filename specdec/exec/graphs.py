@@ -4,10 +4,9 @@ A decoding step of a small model on a GPU is launch-bound: transformers' eager m
 1 ms per layer in Python and kernel launches whatever the model's size. `StepGraphs` records a step
 once per key (its shapes) and replays it after that: one launch for the whole forward. Inputs are
 copied into the graph's own buffers, outputs are the graph's own tensors (valid until the same key
-runs again) or written into one buffer every key shares (`shared`: valid until any step runs). All graphs share
-one memory pool: they never run at the same time. On a CPU the same
-object keeps the same static buffers and runs the step eagerly on them, so the tests exercise the
-buffer and padding logic where no GPU is.
+runs again) or written into one buffer every key shares (`shared`: valid until any step runs). All graphs
+share one memory pool: they never run at the same time. On a CPU the same object keeps the same static
+buffers and runs the step eagerly on them, so the tests exercise the buffer and padding logic where no GPU is.
 
 `compiled_pieces()` is what the lean forward (specdec/exec/llama.py) runs between its attentions through
 `torch.compile`: one graph from a layer's attention output to the next layer's attention input (o_proj, the

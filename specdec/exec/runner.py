@@ -205,8 +205,8 @@ class ModelRunner:
 
             def fast():
                 few = self.fused is not None and rows * width <= fused.MAX_TOKENS
-                out = self._shared_logits(rows, 1 if last is not None else width)
-                step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None, out=out)
+                into = self._shared_logits(rows, 1 if last is not None else width)
+                step = partial(self._step, kv_len=kv, attend=True, pieces=self.fused if few else None, out=into)
                 if mask is not None:  # a token tree: its slots and mask are inputs too
                     step = partial(_tree_step, step)
                 logits, hidden = self.graphs.run(key, step, rows, *inputs)
@@ -343,7 +343,7 @@ class ModelRunner:
             hidden = forward_hidden(self.model, self.cache, tokens, positions, 0, tokens.shape[0], kv_len, slots, mask)
         if last is not None:
             hidden = hidden[torch.arange(tokens.shape[0], device=tokens.device), last]
-        return self.logits(hidden, out), hidden
+        return (self.logits(hidden) if out is None else self.logits(hidden, out)), hidden
 
 
 def _continued(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -10,8 +10,9 @@ The demo's target (or `--target`), code-completion prompts (stdlib n-r, bench/co
 itself, so lookups hit), greedy, fixed draft lengths (k tokens; s alignment siblings for trees). Per batch size
 and setting: one untimed generate() per engine (captures, compilation), then per repeat waiting, ahead, ahead,
 waiting (drift cancels); tok/s medians, ahead / waiting, the share of rounds queued before the one before was read
-back (`Staging.trace`), and whether every row's tokens are the same both ways (they must be). On a CPU both ways
-do the same work, so the ratio says nothing there: it is for a GPU.
+back (`Staging.trace`), whether every row's tokens are the same both ways (they must be), the target's step path
+and how many token trees' steps it captured. On a CPU both ways do the same work, so the ratio says nothing there:
+it is for a GPU.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def main():
     prompts = [pair.tokenizer(c["prompt"], add_special_tokens=False)["input_ids"] for c in code_prompts(args.n)]
     lines = [f"# {describe(pair)}; {len(prompts)} code prompts, {args.max_new} new tokens, greedy; tok/s medians of "
              f"{args.repeats} (waiting, ahead, ahead, waiting each)",
-             f"{'batch':>5s} {'setting':18s} {'waiting':>8s} {'ahead':>8s} {'ratio':>6s} {'queued ahead':>12s} same"]
+             f"{'batch':>5s} {'setting':18s} {'waiting':>8s} {'ahead':>8s} {'ratio':>6s} {'queued ahead':>12s} same "
+             "step-path tree-steps"]
     print("\n".join(lines), flush=True)
     for bs in [int(b) for b in args.batches.split(",")]:
         for name, spec in settings:
@@ -86,7 +88,10 @@ def main():
             wait, ahead = (statistics.median(r[0] for r in runs[a]) for a in (False, True))
             same = all(r[2] == runs[False][0][2] for r in runs[False] + runs[True])
             share = statistics.median(r[1] for r in runs[True])
-            lines.append(f"{bs:5d} {name:18s} {wait:8.1f} {ahead:8.1f} {ahead / wait:6.2f} {share:12.2f} {same}")
+            graphs = getattr(eng.runner("target"), "graphs", None)
+            trees = sum(key[3] == "tree" for key in graphs.graphs) if graphs is not None else 0
+            lines.append(f"{bs:5d} {name:18s} {wait:8.1f} {ahead:8.1f} {ahead / wait:6.2f} {share:12.2f} {same} "
+                         f"{eng.step_path} {trees}")
             print(lines[-1], flush=True)
             if args.out:  # after every line: a deadline keeps what was measured
                 with open(args.out, "w") as f:

@@ -145,7 +145,8 @@ def test_the_kit_rehearses_on_cpu(tmp_path):
     assert all(re.search(rf"^tiny\s+{path}\s+2\s+\d+\.\d", joins, re.M)
                for path in ("fast", "fast-joins", "fast-joins-eager")), joins
     lookup = (out["joins"] / "lookup_ahead.txt").read_text()  # the real target's trees, ahead and waiting: same tokens
-    assert re.search(r"^\s+2 trees:k=2:s=1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+\s+\d\.\d+ True$", lookup, re.M), lookup
+    assert re.search(r"^\s+2 trees:k=2:s=1\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d+\s+\d\.\d+ True \S+ \d+$", lookup, re.M), \
+        lookup
     for name in ("test_greedy_batches", "test_fused", "test_fastpath", "test_engine", "test_sampling", "test_memory"):
         text = (out["first"] / f"{name}.txt").read_text()
         assert re.search(r"^\d+ passed", text, re.M) and f"tests/{name}.py: exit 0 after" in text, text[-3000:]

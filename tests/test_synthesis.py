@@ -77,14 +77,14 @@ def prompts(bpe):
     return [tok.encode(t) for t in ("Describe a person:", "A color", "The date", "red", "{")]
 
 
-def engine(bpe, method="draft_model", k=None, bs=4, **spec) -> SpecEngine:
+def engine(bpe, method="draft_model", k=None, bs=4, graphs=None, **spec) -> SpecEngine:
     tok, target, draft = bpe
     pair = ModelPair(target, draft if method == "draft_model" else None, tok, (tok.eos_token_id,), len(tok))
     if k is not None:
         spec = {"draft_length": "fixed", "num_draft_tokens": k, **spec}
     # goodput on a clock that ticks per round: it drafts
     return SpecEngine(pair, SamplingParams(max_new_tokens=NEW), SpecConfig(method=method, **spec), batch_size=bs,
-                      profile=flat_profile(), clock=iter(range(1 << 30)).__next__)
+                      profile=flat_profile(), clock=iter(range(1 << 30)).__next__, step_graphs=graphs)
 
 
 class GrammarMask(LogitsProcessor):
@@ -132,7 +132,8 @@ def check_format(text: str, fmt: dict) -> None:
 @pytest.mark.parametrize("method,k,spec", [
     ("none", None, {}), ("draft_model", None, {}), ("draft_model", 3, {}), ("prompt_lookup", None, {}),
     ("prompt_lookup", 4, {"prompt_lookup": {"alignment_sampling": 2}}),
-], ids=["plain", "draft-default", "draft-k3", "lookup", "lookup-trees"])
+    ("prompt_lookup", 4, {"prompt_lookup": {"alignment_sampling": 2}, "graphs": True}),  # trees' static steps
+], ids=["plain", "draft-default", "draft-k3", "lookup", "lookup-trees", "lookup-trees-static"])
 def test_constrained_speculation_equals_constrained_autoregressive(bpe, prompts, method, k, spec):
     """Every format, with unconstrained rows in the same batch: token for token what transformers' constrained
     greedy decoding gives, every finished output follows its format, and forced tokens cost no target call under
@@ -140,7 +141,10 @@ def test_constrained_speculation_equals_constrained_autoregressive(bpe, prompts,
     tok = bpe[0]
     rows = [(p, name) for p in prompts for name in (*FORMATS, None)]
     params = [SamplingParams(max_new_tokens=NEW, response_format=FORMATS[name] if name else None) for _, name in rows]
-    results = engine(bpe, method, k, **spec).generate([p for p, _ in rows], params=params)
+    eng = engine(bpe, method, k, **spec)
+    results = eng.generate([p for p, _ in rows], params=params)
+    if spec.get("graphs"):  # the trees went through the static steps
+        assert any(key[3] == "tree" for key in eng.runner("target").graphs.graphs)
     for (p, name), r in zip(rows, results):
         assert r.error is None
         assert r.token_ids == constrained_greedy(bpe, p, FORMATS.get(name)), (name, tok.decode(p))

@@ -165,8 +165,8 @@ class Role:
 def step_kinds(name: str, width: int, most: int | None = None, tree: int = 0) -> list[tuple[int, str]]:
     """(width, out) of the captured steps a round of model `name` takes (`ModelRunner.key`), widths padded to their
     buckets (`width_buckets`; `most`: of steps up to `most` tokens wide only): the target verifies every position
-    ("all") of up to `width` tokens, and token trees ("tree") of 3 (a root and two siblings) to `tree` tokens; the
-    draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
+    ("all") of up to `width` tokens, and token trees ("tree") of 3 (a root and two nodes: a tree branches) to `tree`
+    tokens; the draft feeds one token (every position) and catches up up to `width` tokens (the last)."""
     widths = width_buckets(width, most)
     if name == "target":
         return [(w, "all") for w in widths] + [(w, "tree") for w in width_buckets(tree) if w >= 3]

@@ -194,7 +194,7 @@ class ModelRunner:
         eager = partial(self._step, tokens, positions, last, kv_len=kv_len, slots=slots, mask=mask,
                         pieces=llama.EAGER)
         out = "tree" if mask is not None else "all" if last is None else "last"
-        graphed = self.graphs is not None and t <= (self.max_tree_width if mask is not None else self.max_graph_width)
+        graphed = self.graphs is not None and t <= self._widest(out)
         if graphed:
             key = self.key(n, t, kv_len, out)
             key = rows, width, kv, _ = key if exact else self.cover(key)
@@ -232,9 +232,12 @@ class ModelRunner:
         """The captured step that serves a step of n rows x t tokens attending over kv_len slots whose `out` is
         "all" (logits at every position), "last" (each row's last) or "tree" (every position's, a token tree's
         step: its slots and mask are inputs): (rows, width, window, out), each padded to its bucket."""
-        most = self.max_tree_width if out == "tree" else self.max_graph_width
-        return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), most),
+        return (min(pow2_at_least(n), self.cache.rows), min(pow2_at_least(t), self._widest(out)),
                 min(pow2_at_least(max(kv_len, self.min_kv_bucket)), self.cache.max_len), out)
+
+    def _widest(self, out: str) -> int:
+        """The widest step of outputs `out` (`key`) the static steps take; wider ones run eagerly."""
+        return self.max_tree_width if out == "tree" else self.max_graph_width
 
     def cover(self, key: tuple[int, int, int, str]) -> tuple[int, int, int, str]:
         """The captured step to run a step of `key` through: `key` itself where it is captured, not `sealed`, or met
@@ -367,8 +370,10 @@ def _tree_inputs(rows: int, width: int, kv: int, tokens, positions, slots, mask)
     n, t = tokens.shape
     tokens, positions = _padded(width, tokens, positions)
     mask = mask[..., :kv]
-    mask = torch.cat([mask, mask[:, :, -1:].expand(n, 1, width - t, mask.shape[-1])], 2)
-    mask = F.pad(mask, (0, kv - mask.shape[-1]))
+    if width > t:
+        mask = torch.cat([mask, mask[:, :, -1:].expand(n, 1, width - t, mask.shape[-1])], 2)
+    if kv > mask.shape[-1]:
+        mask = F.pad(mask, (0, kv - mask.shape[-1]))
     parts = [tokens, positions, _continued(slots, width), mask]
     if rows > n:
         sees = torch.arange(kv, device=mask.device) == 0

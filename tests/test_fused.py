@@ -22,13 +22,22 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the fused products: {W
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # (the interpreter's numpy has no bfloat16)
 
 
+@pytest.fixture(params=["widest", "narrowed"])
+def tiles(request, monkeypatch):
+    """The products' tiles as CONFIGS gives them, or narrowed for a grid of WAVES programs per multiprocessor (what
+    these small weights take; no grid of them has that many programs, so WAVES 0 keeps the widest)."""
+    if request.param == "widest":
+        monkeypatch.setattr(fused, "WAVES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_each_fused_product_computes_what_its_unfused_ops_do(rows, dtype):
+def test_each_fused_product_computes_what_its_unfused_ops_do(rows, dtype, tiles):
     """RMSNorm then the product with a bias (q/k/v), the product then the residual (o), SwiGLU then the product then
-    the residual (down), against the ops the compiled pieces run, at sizes no block divides (masked tails): equal
-    up to a rounding of the output (float32 sums in another order; in half precision a rare intermediate rounded
-    the other way)."""
+    the residual (down), against the ops the compiled pieces run, at sizes no block divides (masked tails), in the
+    widest tiles and narrowed ones: equal up to a rounding of the output (float32 sums in another order; in half
+    precision a rare intermediate rounded the other way)."""
     g = torch.Generator().manual_seed(rows)
     k, n = 200, 150
 
@@ -55,10 +64,11 @@ def test_each_fused_product_computes_what_its_unfused_ops_do(rows, dtype):
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 2), (8, 1)])
 @pytest.mark.parametrize("layout", ["dense", "paged"])
 def test_the_fused_layer_start_gives_the_pieces_q_and_writes_their_keys_and_values(target, layout, rows, tokens,
-                                                                                   bias):
+                                                                                   bias, tiles):
     """`qkv_rope` (RMSNorm, q/k/v with or without a bias, RoPE, k and v into the cache at each token's slot) against
     llama's `_first` over another cache of the same layout: the same q, and the same caches (every slot, written or
-    not), dense and paged (rows' blocks scattered over the pool), at ragged positions."""
+    not), dense and paged (rows' blocks scattered over the pool), at ragged positions, in the widest tiles and
+    narrowed ones (fewer pairs of columns a program)."""
     g = torch.Generator().manual_seed(rows * 10 + tokens)
     w = llama.load_weights(target)
     layer = w.layers[0]

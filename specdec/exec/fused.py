@@ -12,6 +12,7 @@ the arithmetic, not a speed. Off unless asked for (`ModelRunner.fuse_products`):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -26,7 +27,8 @@ except ImportError:  # no triton (a CPU install): `available` says why
     triton = None
 
 MAX_TOKENS = 8  # steps of at most this many tokens (rows x width) take the fused products
-CONFIGS = {1: (16, 256, 4), MAX_TOKENS: (16, 128, 8)}  # BLOCK_M -> (BLOCK_N, BLOCK_K, warps)
+CONFIGS = {1: (16, 256, 4), MAX_TOKENS: (16, 128, 8)}  # BLOCK_M -> (widest BLOCK_N, BLOCK_K, warps)
+WAVES = 3  # programs per streaming multiprocessor a product's grid is narrowed to reach (`tile`)
 PLAIN, NORM, SWIGLU = 0, 1, 2  # what a product does to its input first
 
 
@@ -37,6 +39,34 @@ def available(device: torch.device) -> str | None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton runs on CUDA (elsewhere only under TRITON_INTERPRET=1)"
     return None
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; elsewhere (the interpreter) an H100's."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def tile(m: int, n: int, device: torch.device, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a product of m rows against n weight rows: CONFIGS' for the rows, with
+    BLOCK_N halved (and the warps with it, down to 4) until the grid has WAVES programs per multiprocessor, as long
+    as each thread still loads 16 bytes of the weight at a time (a grid of fewer leaves multiprocessors idle while
+    the weight streams: SmolLM2's o_proj in blocks of 16 rows is 36 programs for 132)."""
+    block_m = 1 if m == 1 else MAX_TOKENS
+    block_n, block_k, warps = CONFIGS[block_m]
+    vector = 16 // itemsize  # elements a thread loads at once
+
+    def fills(rows: int, warps: int) -> bool:  # a [rows, block_k] tile gives each thread a whole vector
+        return rows * block_k >= vector * 32 * warps
+
+    while -(-n // block_n) < WAVES * multiprocessors(device):
+        if fills(block_n // 2, warps):
+            block_n //= 2
+        elif warps > 4 and fills(block_n // 2, warps // 2):
+            block_n, warps = block_n // 2, warps // 2
+        else:
+            break
+    return block_m, block_n, block_k, warps
 
 
 if triton is not None:
@@ -72,13 +102,15 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _dot(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K: tl.constexpr):
-        """a [BLOCK_M, BLOCK_K] times weight rows `rn` at columns [k0, k0 + BLOCK_K): [BLOCK_M, len(rn)] float32 sums;
-        the weight streamed once (evicted first: no other program reads it)."""
+    def _products(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K: tl.constexpr):
+        """a [BLOCK_M, BLOCK_K] times weight rows `rn` at columns [k0, k0 + BLOCK_K), elementwise: [BLOCK_M, len(rn),
+        BLOCK_K] float32, which the caller adds up over the K loop and sums once after it (a sum at every step
+        would have the warps exchange partial sums through shuffles and shared memory between the weight's
+        loads); the weight streamed once (evicted first: no other program reads it)."""
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
                     other=0.0, eviction_policy="evict_first").to(tl.float32)
-        return tl.sum(tl.expand_dims(a, 1) * tl.expand_dims(w, 0), axis=2)
+        return tl.expand_dims(a, 1) * tl.expand_dims(w, 0)
 
     @triton.jit
     def _product(x_ptr, w_ptr, out_ptr, ln_ptr, bias_ptr, res_ptr, M, N, K, eps, stride_x, stride_w, stride_o,
@@ -92,10 +124,11 @@ if triton is not None:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if BEFORE == 1:
             rstd = _rstd(x_ptr, M, K, eps, stride_x, BLOCK_M, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        terms = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = _input(x_ptr, ln_ptr, rstd, k0, M, K, stride_x, BEFORE, BLOCK_M, BLOCK_K)
-            acc += _dot(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K)
+            terms += _products(a, w_ptr, rn, k0, N, K, stride_w, BLOCK_K)
+        acc = tl.sum(terms, axis=2)
         if BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
@@ -121,13 +154,14 @@ if triton is not None:
         lo, hi = head * HD + rp, head * HD + HD // 2 + rp  # the weight's rows
         rm = tl.arange(0, BLOCK_M)
         rstd = _rstd(x_ptr, M, K, eps, stride_x, BLOCK_M, BLOCK_K)
-        acc_lo = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-        acc_hi = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+        terms_lo = tl.zeros((BLOCK_M, BLOCK_P, BLOCK_K), dtype=tl.float32)
+        terms_hi = tl.zeros((BLOCK_M, BLOCK_P, BLOCK_K), dtype=tl.float32)
         n = (HEADS + 2 * KV_HEADS) * HD
         for k0 in range(0, K, BLOCK_K):
             a = _input(x_ptr, ln_ptr, rstd, k0, M, K, stride_x, 1, BLOCK_M, BLOCK_K)
-            acc_lo += _dot(a, w_ptr, lo, k0, n, K, stride_w, BLOCK_K)
-            acc_hi += _dot(a, w_ptr, hi, k0, n, K, stride_w, BLOCK_K)
+            terms_lo += _products(a, w_ptr, lo, k0, n, K, stride_w, BLOCK_K)
+            terms_hi += _products(a, w_ptr, hi, k0, n, K, stride_w, BLOCK_K)
+        acc_lo, acc_hi = tl.sum(terms_lo, axis=2), tl.sum(terms_hi, axis=2)
         if BIAS:
             acc_lo += tl.load(bias_ptr + lo).to(tl.float32)[None, :]
             acc_hi += tl.load(bias_ptr + hi).to(tl.float32)[None, :]
@@ -167,8 +201,7 @@ def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Ten
     assert m <= MAX_TOKENS and x.shape[1] == (2 * k if before == SWIGLU else k) and w.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = out if residual is None else residual.reshape(m, n)
-    block_m = 1 if m == 1 else MAX_TOKENS
-    block_n, block_k, warps = CONFIGS[block_m]
+    block_m, block_n, block_k, warps = tile(m, n, x.device, x.element_size())
     _product[(triton.cdiv(n, block_n),)](
         x, w, out, w if ln is None else ln, w if bias is None else bias, res, m, n, k, eps, x.stride(0), w.stride(0),
         out.stride(0), res.stride(0), BEFORE=before, BIAS=bias is not None, RESIDUAL=residual is not None,
@@ -200,8 +233,7 @@ def qkv_rope(x: torch.Tensor, layer: llama.Layer, eps: float, cos: torch.Tensor,
     assert m <= MAX_TOKENS and x2.stride(1) == 1 and cos2.stride() == sin2.stride() and cos2.stride(1) == 1
     assert keys.dtype == values.dtype == x.dtype and keys.stride(-1) == values.stride(-1) == 1 and head_dim % 2 == 0
     q = torch.empty((n, heads, t, head_dim), dtype=x.dtype, device=x.device)
-    block_m = 1 if m == 1 else MAX_TOKENS
-    block_n, block_k, warps = CONFIGS[block_m]
+    block_m, block_n, block_k, warps = tile(m, layer.qkv.shape[0], x.device, x.element_size())
     pairs = head_dim // 2
     block_p = min(block_n // 2, pairs & -pairs)  # as many weight rows as `product`'s, dividing a head's pairs
     bias = layer.qkv_bias

@@ -6,17 +6,18 @@ products read almost all of its bytes. Peers report cuBLAS's M=1 kernels (split-
 rows) at 64-75% of HBM, and custom GEMV kernels 25-44% faster on small and medium matrices.
 
     python bench/gemv.py [--device cuda] [--shapes llama8b,smollm2] [--rows 1,8] [--dtype bfloat16]
-                         [--configs 16x256x4,...,d64x128x4,d32x256x4] [--deadline 0] [--out FILE]
+                         [--configs 16x256x4,...,s16x256x4,d64x128x4] [--deadline 0] [--out FILE]
 
-Per (shape, linear, rows): µs a call of cuBLAS and of each Triton config (BLOCK_N x BLOCK_K x warps; `d`: x's rows
-in a 16-row tile through tensor cores, `tl.dot`, instead of float32 sums of products), the best
-config's ratio to cuBLAS and each one's effective bandwidth (weight bytes / time) as a share of the measured copy
-bandwidth. Timed on a GPU as one CUDA graph of calls over enough copies of the weight that none is read from L2
-(as in a step, where the other layers' weights come between); every config's output is checked against float32
-first (`err`: the configs' largest relative error / cuBLAS's). Where no GPU is, the same table comes from eager calls
-and Triton's interpreter (`TRITON_INTERPRET=1` is set before triton is imported): a check of the script and the
-kernel's outputs, not a timing (`--shapes tiny`; its bfloat16 `tl.dot` is wrong there: `--dtype float16` checks the
-`d` configs); without triton the kernel's columns say so.
+Per (shape, linear, rows): µs a call of cuBLAS, of specdec/exec/fused.py's product in the tile the engine takes for
+it (`fused.tile`: `fused`) and of each Triton config (BLOCK_N x BLOCK_K x warps: float32 products added up over the
+K loop and summed after it, as the engine's; `s`: summed at every K step instead; `d`: x's rows in a 16-row tile
+through tensor cores, `tl.dot`), the best kernel's ratio to cuBLAS and each one's effective bandwidth (weight
+bytes / time) as a share of the measured copy bandwidth. Timed on a GPU as one CUDA graph of calls over enough
+copies of the weight that none is read from L2 (as in a step, where the other layers' weights come between); every
+kernel's output is checked against float32 first (`err`: the kernels' largest relative error / cuBLAS's). Where no
+GPU is, the same table comes from eager calls and Triton's interpreter (`TRITON_INTERPRET=1` is set before triton is
+imported): a check of the script and the kernel's outputs, not a timing (`--shapes tiny`; its bfloat16 `tl.dot` is
+wrong there: `--dtype float16` checks the `d` configs); without triton the kernels' columns say so.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:  # (before ste
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 sys.path.insert(0, os.path.dirname(__file__))
 from step_speed import SHAPES, copy_bandwidth, environment, log  # noqa: E402
+
+from specdec.exec import fused  # noqa: E402
 try:
     import triton
     import triton.language as tl
@@ -47,14 +50,18 @@ except ImportError:  # the CPU image of CI has no triton: the bench says so and 
 if triton is not None:
     @triton.jit
     def _gemv(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+              LATE: tl.constexpr):
         """out[m, n] = sum_k x[m, k] w[n, k] for BLOCK_N output columns a program, the weight's rows streamed
         once (evicted first: no other program reads them), x's rows re-read from L2, sums in float32: of the
-        products (a [BLOCK_M, BLOCK_N, BLOCK_K] tile) or, with DOT, one tensor-core tl.dot per K step (BLOCK_M
-        at least 16: x's rows padded)."""
+        products, added up elementwise over the K loop and summed once after it (LATE, as specdec/exec/fused.py's
+        products) or summed at every K step (the warps exchange partial sums between loads), or with DOT one
+        tensor-core tl.dot per K step (BLOCK_M at least 16: x's rows padded)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if LATE and not DOT:
+            terms = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
@@ -63,34 +70,39 @@ if triton is not None:
                         other=0.0)
             if DOT:
                 acc += tl.dot(x, tl.trans(w))
+            elif LATE:
+                terms += tl.expand_dims(x.to(tl.float32), 1) * tl.expand_dims(w.to(tl.float32), 0)
             else:
                 acc += tl.sum(tl.expand_dims(x.to(tl.float32), 1) * tl.expand_dims(w.to(tl.float32), 0), axis=2)
+        if LATE and not DOT:
+            acc = tl.sum(terms, axis=2)
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def _launch(kernel, x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int, warps: int,
-            dot: bool) -> torch.Tensor:
+            dot: bool = False, late: bool = True) -> torch.Tensor:
     """x [M, K] @ w [N, K].T: `_gemv` (or its traceable wrapper) launched over N in blocks of `block_n`."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     kernel[(triton.cdiv(n, block_n),)](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m,
-                                       BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=warps)
+                                       BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, LATE=late,
+                                       num_warps=warps)
     return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: str) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T through a Triton kernel: config "NxKxW" (`_gemv`: BLOCK_N, BLOCK_K, warps) or
-    "dNxKxW" (through tensor cores, x's rows in a 16-row tile)."""
-    dot = config.startswith("d")
-    block_n, block_k, warps = map(int, config.removeprefix("d").split("x"))
-    block_m = 16 if dot else max(1, triton.next_power_of_2(x.shape[0]))
-    return _launch(_gemv, x, w, block_m, block_n, block_k, warps, dot)
+    """x [M, K] @ w [N, K].T through a Triton kernel: config "NxKxW" (`_gemv`: BLOCK_N, BLOCK_K, warps; sums
+    after the K loop), "sNxKxW" (sums at every K step) or "dNxKxW" (through tensor cores, x's rows in a 16-row
+    tile)."""
+    form = config[0] if config[0] in "sd" else ""
+    block_n, block_k, warps = map(int, config.removeprefix(form).split("x"))
+    block_m = 16 if form == "d" else max(1, triton.next_power_of_2(x.shape[0]))
+    return _launch(_gemv, x, w, block_m, block_n, block_k, warps, dot=form == "d", late=form != "s")
 
 
-MAX_ROWS = 8  # steps of up to this many tokens (rows x width) take the kernel in `use_gemv`
-STEP_CONFIGS = {1: (16, 256, 4), MAX_ROWS: (16, 128, 8)}  # BLOCK_M -> (BLOCK_N, BLOCK_K, warps) in the engine
+MAX_ROWS = fused.MAX_TOKENS  # steps of up to this many tokens (rows x width) take the kernel in `use_gemv`
 
 if triton is not None:
     from torch.library import triton_op, wrap_triton
@@ -99,9 +111,8 @@ if triton is not None:
     def gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ w [N, K].T for M <= MAX_ROWS, as a custom op that torch.compile keeps whole (the compiled
         pieces call it where they called cuBLAS)."""
-        block_m = 1 if x.shape[0] == 1 else MAX_ROWS
         kernel = wrap_triton(_gemv) if x.device.type == "cuda" else _gemv  # (traced, or interpreted eagerly)
-        return _launch(kernel, x, w, block_m, *STEP_CONFIGS[block_m], dot=False)
+        return _launch(kernel, x, w, *fused.tile(x.shape[0], w.shape[0], x.device, x.element_size()))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,8 +195,8 @@ def main():
     ap.add_argument("--shapes", default="llama8b,smollm2")
     ap.add_argument("--rows", default="1,8", help="rows of x (the batch's tokens in a step)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--configs", default="16x256x4,32x128x4,8x512x4,16x128x8,d64x128x4,d32x256x4",
-                    help="BLOCK_N x BLOCK_K x warps, each (d: the tensor-core kernel)")
+    ap.add_argument("--configs", default="16x256x4,8x256x4,4x256x4,8x128x4,s16x256x4,d64x128x4",
+                    help="BLOCK_N x BLOCK_K x warps, each (s: sums at every K step; d: the tensor-core kernel)")
     ap.add_argument("--calls", type=int, default=40, help="calls a timed graph holds")
     ap.add_argument("--l2-bytes", type=float, default=256e6, help="weight copies to cycle through: at least this")
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which no new case starts (0: none)")
@@ -204,7 +215,8 @@ def main():
     how = f"one CUDA graph of {args.calls} calls" if cuda else "eager calls, Triton interpreted: not a timing"
     log(args.out, f"# {args.dtype}; copy bandwidth {bw / 1e12:.2f} TB/s; each case {how} over >= "
                   f"{args.l2_bytes / 1e6:.0f} MB of weight copies; us a call (share of copy bandwidth)")
-    names = " ".join(f"{c:>17s}" for c in configs)
+    kernels = {"fused": lambda a, b: fused.product(a, b)} | {c: lambda a, b, c=c: gemv(a, b, c) for c in configs}
+    names = " ".join(f"{c:>17s}" for c in kernels)
     log(args.out, f"{'shape':8s} {'linear':8s} {'N x K':>13s} {'M':>3s} {'cublas':>17s} {names}  best/cublas  err")
     for shape in args.shapes.split(","):
         for name, (n, k) in linears(shape).items():
@@ -219,7 +231,7 @@ def main():
                 ref = x.float() @ copies[0].float().T
                 errs = [rel_err(F.linear(x, copies[0]), ref)]
                 cells, times = [], []
-                for fn in [F.linear] + [lambda a, b, c=c: gemv(a, b, c) for c in configs]:
+                for fn in [F.linear, *kernels.values()]:
                     if fn is not F.linear and triton is None:
                         cells.append("no triton")
                         times.append(float("inf"))

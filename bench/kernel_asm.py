@@ -22,14 +22,18 @@ from collections import Counter
 
 import torch
 
+os.environ.pop("TRITON_INTERPRET", None)  # compiled, not interpreted (before anything imports triton)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_speed import SHAPES, log  # noqa: E402
 
-import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+try:
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    sys.exit("bench/kernel_asm.py compiles with Triton: pip install triton==3.6.0 (the GPU image's version)")
 
 from specdec.exec import fused, llama  # noqa: E402
 
@@ -56,8 +60,8 @@ def launches(shape: str, tokens: int, dtype: torch.dtype) -> list[tuple[str, obj
     e = lambda *size: torch.empty(size, dtype=dtype)  # noqa: E731
     layer = llama.Layer(e(d), e((heads + 2 * kv) * hd, d), None, e(d, d), e(d), e(2 * inter, d), e(d, inter))
     x, o, h = e(1, tokens, d), e(1, tokens, d), e(1, tokens, 2 * inter)
-    keys, values = e(1, kv, 64, hd), e(1, kv, 64, hd)
-    at = (slice(0, 1), slice(None), torch.zeros(tokens, dtype=torch.long))
+    keys, values = e(1, kv, 64, hd), e(1, kv, 64, hd)  # a dense cache's layer: [rows, kv_heads, slots, hd]
+    at = (torch.zeros(1, 1, dtype=torch.long), slice(None), torch.arange(tokens)[None])  # as its view indexes it
     kernels = {name: Recorded(getattr(fused, name)) for name in ("_product", "_qkv_rope")}
     saved = {name: getattr(fused, name) for name in kernels}
     named = []

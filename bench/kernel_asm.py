@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from unittest.mock import patch
 
 import torch
 
@@ -42,47 +43,39 @@ SMS = {90: 132, 80: 108}  # streaming multiprocessors of an H100 / H200 SXM and 
 
 
 class Recorded:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` keeps the launch instead of running it."""
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` appends (kernel, grid, args, kwargs) to `launches`
+    instead of running it."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+        return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
+
+
+STEPS = ("qkv_rope", "o (residual)", "gate_up (norm)", "down (swiglu, residual)")  # a layer's launches, in order
 
 
 def launches(shape: str, tokens: int, dtype: torch.dtype) -> list[tuple[str, object, tuple, tuple, dict]]:
     """(name, kernel, grid, args, kwargs) of a decode step's fused launches for one layer of `shape` with `tokens`
-    tokens (rows x width), from the wrappers themselves."""
+    tokens (rows x width), from the wrappers themselves (`STEPS`)."""
     c = SHAPES[shape]
     d, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = d // heads
     e = lambda *size: torch.empty(size, dtype=dtype)  # noqa: E731
     layer = llama.Layer(e(d), e((heads + 2 * kv) * hd, d), None, e(d, d), e(d), e(2 * inter, d), e(d, inter))
-    x, o, h = e(1, tokens, d), e(1, tokens, d), e(1, tokens, 2 * inter)
+    x, o, h, cos = e(1, tokens, d), e(1, tokens, d), e(1, tokens, 2 * inter), e(1, 1, tokens, hd)
     keys, values = e(1, kv, 64, hd), e(1, kv, 64, hd)  # a dense cache's layer: [rows, kv_heads, slots, hd]
     at = (torch.zeros(1, 1, dtype=torch.long), slice(None), torch.arange(tokens)[None])  # as its view indexes it
-    kernels = {name: Recorded(getattr(fused, name)) for name in ("_product", "_qkv_rope")}
-    saved = {name: getattr(fused, name) for name in kernels}
-    named = []
-    try:
-        for name, k in kernels.items():
-            setattr(fused, name, k)
-        cos = e(1, 1, tokens, hd)
+    recorded: list = []
+    with patch.object(fused, "_qkv_rope", Recorded(fused._qkv_rope, recorded)), \
+            patch.object(fused, "_product", Recorded(fused._product, recorded)):
         fused.qkv_rope(x, layer, 1e-5, cos, cos, heads, kv, hd, keys, values, *fused.token_offsets(at, keys))
-        named.append("qkv_rope")
         fused.product(o, layer.o, residual=x)
-        named.append("o (residual)")
         fused.product(x, layer.gate_up, fused.NORM, layer.ln2, 1e-5)
-        named.append("gate_up (norm)")
         fused.product(h, layer.down, fused.SWIGLU, residual=x)
-        named.append("down (swiglu, residual)")
-    finally:
-        for name, k in saved.items():
-            setattr(fused, name, k)
-    recorded = kernels["_qkv_rope"].launches + kernels["_product"].launches
-    return [(n, kernels["_qkv_rope" if i == 0 else "_product"].kernel, *launch)
-            for i, (n, launch) in enumerate(zip(named, recorded))]
+    assert len(recorded) == len(STEPS), recorded
+    return [(name, *launch) for name, launch in zip(STEPS, recorded)]
 
 
 def compiled(kernel, args: tuple, kwargs: dict, target: GPUTarget):

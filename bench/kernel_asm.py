@@ -5,10 +5,12 @@ shared memory, and the K loop's work per iteration (global loads of the weight a
 shuffles, shared-memory accesses). A check of structure before a lease, not a speed: a loop whose every step
 synchronises the warps or spills cannot stream the weight at the memory's rate, whatever the GPU says later.
     pip install triton==3.6.0   # the GPU image's version (bench/gpu/image.txt); CPU installs lack it
-    python bench/kernel_asm.py [--shapes llama8b,smollm2] [--tokens 1,8] [--target cuda:90:32] [--out FILE]
-The wrappers (fused.product, fused.qkv_rope) are called on CPU tensors of the shape with the launch recorded instead
-of run; Triton's own specialisation (`native_specialize_impl`: 16-byte alignment, ints divisible by 16, ones as
-constants) makes the signature.
+    python bench/kernel_asm.py [--shapes llama8b,smollm2] [--tokens 1,8] [--dtype bfloat16] [--window 256]
+                               [--target cuda:90:32] [--out FILE]
+The wrappers (fused.product, fused.qkv_rope, fused.attend over a window of WINDOW slots) are called on CPU tensors of
+the shape with the launch recorded instead of run (the attention's loop is over slots, its `w bytes` 0); Triton's own
+specialisation (`native_specialize_impl`: 16-byte alignment, ints divisible by 16, ones as constants) makes the
+signature.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from specdec.exec import fused, llama  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SMS = {90: 132, 80: 108}  # streaming multiprocessors of an H100 / H200 SXM and an A100
+WINDOW = 256  # the attention's slots: the kit's steps' (128-token prompts, 128 new tokens)
 
 
 class Recorded:
@@ -53,29 +56,38 @@ class Recorded:
         return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
 
 
-STEPS = ("qkv_rope", "o (residual)", "gate_up (norm)", "down (swiglu, residual)")  # a layer's launches, in order
+STEPS = ("qkv_rope", "attention", "o (residual)", "gate_up (norm)", "down (swiglu, residual)")  # a layer's, in order
 
 
-def launches(shape: str, tokens: int, dtype: torch.dtype) -> list[tuple[str, object, tuple, tuple, dict]]:
+def launches(shape: str, tokens: int, dtype: torch.dtype, window: int = WINDOW) -> list[tuple[str, object, tuple,
+                                                                                          tuple, dict]]:
     """(name, kernel, grid, args, kwargs) of a decode step's fused launches for one layer of `shape` with `tokens`
-    tokens (rows x width), from the wrappers themselves (`STEPS`)."""
+    tokens (rows x width) attending over `window` slots, from the wrappers themselves (`STEPS`; a window split over
+    programs adds the attention's combining kernel after it)."""
     c = SHAPES[shape]
     d, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     hd = d // heads
     e = lambda *size: torch.empty(size, dtype=dtype)  # noqa: E731
     layer = llama.Layer(e(d), e((heads + 2 * kv) * hd, d), None, e(d, d), e(d), e(2 * inter, d), e(d, inter))
     x, o, h, cos = e(1, tokens, d), e(1, tokens, d), e(1, tokens, 2 * inter), e(1, 1, tokens, hd)
-    keys, values = e(1, kv, 64, hd), e(1, kv, 64, hd)  # a dense cache's layer: [rows, kv_heads, slots, hd]
+    keys, values = e(1, kv, window, hd), e(1, kv, window, hd)  # a dense cache's layer: [rows, kv_heads, slots, hd]
     at = (torch.zeros(1, 1, dtype=torch.long), slice(None), torch.arange(tokens)[None])  # as its view indexes it
+    q, positions = e(1, heads, tokens, hd), torch.arange(tokens)[None]
     recorded: list = []
     with patch.object(fused, "_qkv_rope", Recorded(fused._qkv_rope, recorded)), \
-            patch.object(fused, "_product", Recorded(fused._product, recorded)):
+            patch.object(fused, "_product", Recorded(fused._product, recorded)), \
+            patch.object(fused, "_attention", Recorded(fused._attention, recorded)), \
+            patch.object(fused, "_combine", Recorded(fused._combine, recorded)):
         fused.qkv_rope(x, layer, 1e-5, cos, cos, heads, kv, hd, keys, values, *fused.token_offsets(at, keys))
+        fused.attend(q, keys, values, positions)
         fused.product(o, layer.o, residual=x)
         fused.product(x, layer.gate_up, fused.NORM, layer.ln2, 1e-5)
         fused.product(h, layer.down, fused.SWIGLU, residual=x)
-    assert len(recorded) == len(STEPS), recorded
-    return [(name, *launch) for name, launch in zip(STEPS, recorded)]
+    names = list(STEPS)
+    if len(recorded) > len(STEPS):
+        names.insert(2, "attention's combine")
+    assert len(recorded) == len(names), recorded
+    return [(name, *launch) for name, launch in zip(names, recorded)]
 
 
 def compiled(kernel, args: tuple, kwargs: dict, target: GPUTarget):
@@ -124,6 +136,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama8b,smollm2")
     ap.add_argument("--tokens", default="1,8", help="a step's tokens (rows x width), at most fused.MAX_TOKENS")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--window", type=int, default=WINDOW, help="the attention's slots (long ones split over programs)")
     ap.add_argument("--target", default="cuda:90:32", help="backend:arch:warp size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -137,9 +150,9 @@ def main() -> None:
                   f"{'sts':>4s}")
     for shape in args.shapes.split(","):
         for tokens in map(int, args.tokens.split(",")):
-            for name, kernel, grid, a, kw in launches(shape, tokens, dtype):
+            for name, kernel, grid, a, kw in launches(shape, tokens, dtype, args.window):
                 s = describe(compiled(kernel, a, kw, target))
-                programs, sms = grid[0], SMS.get(int(arch), 132)
+                programs, sms = grid[0] * (grid[1] if len(grid) > 1 else 1), SMS.get(int(arch), 132)
                 log(args.out, f"{shape:8s} {tokens:6d} {name:24s} {programs:8d} {programs / sms:5.1f} "
                               f"{s['warps']:5d} {s['regs']:4d} {s['stack']:5d} {s['smem']:6d} "
                               f"{s.get('weight bytes', 0):7d} {s.get('weight loads', 0):5d} {s.get('bar.sync', 0):4d} "

@@ -23,8 +23,9 @@ graph capture happen there). tok/s = generated tokens / wall time, prefill inclu
   instead of cuBLAS (a custom op inside the compiled pieces; on a CPU interpreted: a check, not a speed); batches
   of up to 8 rows only (beyond, it is fast);
 - fast-fused: fast with the steps of up to 8 tokens through specdec/exec/fused.py's kernels (each matrix product
-  with the norm or SwiGLU before it and the bias and residual after it, q/k/v's with RoPE and the cache writes:
-  4 kernels and the attention a layer where the compiled pieces launch ~10; `ModelRunner.fuse_products`);
+  with the norm or SwiGLU before it and the bias and residual after it, q/k/v's with RoPE and the cache writes,
+  the attention masking by positions: 5 kernels a layer where the compiled pieces and SDPA launch ~10;
+  `ModelRunner.fuse_products`);
   batches of up to 8 rows only;
 - fast-paged / fast-paged-flex: fast over a paged KV cache (rows' blocks from a pool), its captured steps (a GPU's)
   attending over the blocks gathered / with FlexAttention over the pool in place (`paged_attention`), equal rows;

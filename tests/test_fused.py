@@ -143,3 +143,33 @@ def test_token_trees_through_the_fused_kernels_give_transformers_greedy_rows(tar
     trees = [key for key in runner.checked if key[3] == "tree"]
     assert trees and all(rows * width <= fused.MAX_TOKENS for rows, width, _, _ in trees), runner.checked
     assert [r.token_ids for r in out] == greedy
+
+
+# last in the file: the GPU kit gives the file a budget, and this test's many kernel variants compile after the rows'
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 2), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 32)])
+def test_the_fused_attention_computes_the_pieces_attention_under_the_causal_mask(rows, tokens, heads, kv_heads,
+                                                                                   head_dim, dtype):
+    """`attend` against llama's `_attend` under the mask a forward builds from the positions (query j of a row sees
+    slots 0..its position), over a dense cache's window (a view of rows [1, 1 + rows)) and a gathered one (a paged
+    read's strides), windows no block divides, in one program a kv head and with the slots split over programs
+    (a second kernel combining them); query groups of 3 (SmolLM2's) and 4."""
+    g = torch.Generator().manual_seed(rows * 100 + tokens * 10 + heads)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    for slots, splits in ((50, None), (50, 1), (300, None), (300, 3)):
+        dense = randn(10, kv_heads, 512, head_dim), randn(10, kv_heads, 512, head_dim)
+        gathered = [randn(rows, slots, kv_heads, head_dim).transpose(1, 2) for _ in range(2)]
+        q = randn(rows, heads, tokens, head_dim)
+        positions = (torch.randint(0, slots - tokens + 1, (rows, 1), generator=g) + torch.arange(tokens)).to(DEVICE)
+        seen = torch.arange(slots, device=DEVICE)[None, None, :] <= positions[:, :, None]
+        mask = llama.sdpa_mask(seen[:, None].repeat(1, 1, heads // kv_heads, 1), dtype)
+        for name, (keys, values) in (("dense", [c[1:1 + rows, :, :slots] for c in dense]), ("gathered", gathered)):
+            got = fused.attend(q, keys, values, positions, splits)
+            want = llama._attend(q, keys, values, mask)
+            tol = (1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps) * want.abs().max().item()
+            torch.testing.assert_close(got, want, rtol=0, atol=tol, msg=f"{name}, {slots} slots, splits {splits}")
+

@@ -1,9 +1,11 @@
-"""A decode step's layers as four Triton kernels and the attention, where the compiled pieces of specdec/exec/llama.py
-launch about ten: where a step has at most MAX_TOKENS tokens, each matrix product streams its weight once, and the
-same kernel does what came before it (the RMSNorm of its input, or SwiGLU's silu(gate) * up) and after it (the
-bias, the residual add: `product`); the layer's first also applies RoPE and writes k and v into the cache
-(`qkv_rope`). The arithmetic is the pieces': sums in float32, the norm's, the activation's and the products' outputs
-rounded to the model's dtype where transformers rounds them (RoPE, as compiled, rounds once).
+"""A decode step's layers as five Triton kernels, where the compiled pieces of specdec/exec/llama.py and SDPA launch
+about ten: where a step has at most MAX_TOKENS tokens, each matrix product streams its weight once, and the same
+kernel does what came before it (the RMSNorm of its input, or SwiGLU's silu(gate) * up) and after it (the bias, the
+residual add: `product`); the layer's first also applies RoPE and writes k and v into the cache (`qkv_rope`); the
+attention reads each slot once for a kv head's query heads, masks by the tokens' positions (no mask tensor) and
+splits long windows over programs (`attend`). The arithmetic is the pieces': sums in float32, the norm's, the
+activation's and the products' outputs rounded to the model's dtype where transformers rounds them (RoPE, as
+compiled, rounds once).
 
 CUDA; on a CPU, Triton's interpreter (TRITON_INTERPRET=1 in the environment before triton is imported): a check of
 the arithmetic, not a speed. Off unless asked for (`ModelRunner.fuse_products`): bench/step_speed.py's
@@ -28,7 +30,8 @@ except ImportError:  # no triton (a CPU install): `available` says why
 
 MAX_TOKENS = 8  # steps of at most this many tokens (rows x width) take the fused products
 CONFIGS = {1: (16, 256, 4), MAX_TOKENS: (16, 128, 8)}  # BLOCK_M -> (widest BLOCK_N, BLOCK_K, warps)
-WAVES = 3  # programs per streaming multiprocessor a product's grid is narrowed to reach (`tile`)
+WAVES = 3  # programs per streaming multiprocessor a product's grid is narrowed to reach (`tile`), an attention's split
+SPLIT_SLOTS = 256  # the fewest slots an attention's program takes where the slots are split (`attend`)
 PLAIN, NORM, SWIGLU = 0, 1, 2  # what a product does to its input first
 
 
@@ -187,6 +190,86 @@ if triton is not None:
             tl.store(v_at[:, None] + rp[None, :], x_lo.to(dtype), mask=tokens & is_v)
             tl.store(v_at[:, None] + HD // 2 + rp[None, :], x_hi.to(dtype), mask=tokens & is_v)
 
+    @triton.jit
+    def _attention(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, T, S, chunk, scale, sq_n, sq_h,
+                   sq_t, sk_n, sk_h, sk_s, sv_n, sv_h, sv_s, s_pos, so_n, so_t, GROUP: tl.constexpr,
+                   KV_HEADS: tl.constexpr, HD: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Attention of one row's kv head: its GROUP query heads' T tokens (query r = g * T + j, BLOCK_Q of them) over
+        slots [split * chunk, + chunk) of S, query j of the row seeing slots 0..pos[j]; online softmax in float32.
+        The output [rows, T, heads * HD], or (PARTIAL) the split's running max, sum and unnormalised output for
+        `_combine`."""
+        pid, split = tl.program_id(0), tl.program_id(1)
+        row, kvh = pid // KV_HEADS, pid % KV_HEADS
+        rq, rd = tl.arange(0, BLOCK_Q), tl.arange(0, HD)
+        g, j = rq // T, rq % T
+        live = rq < GROUP * T
+        head = kvh * GROUP + g
+        q = tl.load(q_ptr + row * sq_n + head[:, None] * sq_h + j[:, None] * sq_t + rd[None, :], mask=live[:, None],
+                    other=0.0)
+        pos = tl.load(pos_ptr + row * s_pos + j, mask=live, other=0)
+        k_at, v_at = k_ptr + row * sk_n + kvh * sk_h, v_ptr + row * sv_n + kvh * sv_h
+        top = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_Q, HD), dtype=tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, S)
+        for s0 in range(lo, hi, BLOCK_S):
+            rs = s0 + tl.arange(0, BLOCK_S)
+            inside = rs < hi
+            k = tl.load(k_at + rs[:, None] * sk_s + rd[None, :], mask=inside[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            seen = (rs[None, :] <= pos[:, None]) & inside[None, :]
+            scores = tl.where(seen, scores * scale, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a query that saw nothing yet: no NaN
+            weights = tl.exp(scores - shift[:, None])
+            kept = tl.exp(top - shift)
+            total = total * kept + tl.sum(weights, axis=1)
+            v = tl.load(v_at + rs[:, None] * sv_s + rd[None, :], mask=inside[:, None], other=0.0)
+            if IEEE:
+                acc = acc * kept[:, None] + tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * kept[:, None] + tl.dot(weights.to(v.dtype), v)
+            top = new_top
+        if PARTIAL:  # [rows * KV_HEADS, splits, BLOCK_Q(, HD)]
+            at = (pid * tl.num_programs(1) + split) * BLOCK_Q + rq
+            tl.store(m_ptr + at, top)
+            tl.store(l_ptr + at, total)
+            tl.store(acc_ptr + at[:, None] * HD + rd[None, :], acc)
+        else:
+            out = acc / total[:, None]
+            tl.store(out_ptr + row * so_n + j[:, None] * so_t + head[:, None] * HD + rd[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, T, splits, so_n, so_t, GROUP: tl.constexpr, KV_HEADS: tl.constexpr,
+                 HD: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """The splits' partial attentions of one row's kv head (`_attention`'s PARTIAL) made one, into the output."""
+        pid = tl.program_id(0)
+        row, kvh = pid // KV_HEADS, pid % KV_HEADS
+        rq, rd = tl.arange(0, BLOCK_Q), tl.arange(0, HD)
+        g, j = rq // T, rq % T
+        live = rq < GROUP * T
+        top = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+        total = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_Q, HD), dtype=tl.float32)
+        for split in range(0, splits):
+            at = (pid * splits + split) * BLOCK_Q + rq
+            its_top = tl.load(m_ptr + at)
+            new_top = tl.maximum(top, its_top)
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+            kept, its = tl.exp(top - shift), tl.exp(its_top - shift)
+            total = total * kept + tl.load(l_ptr + at) * its
+            acc = acc * kept[:, None] + tl.load(acc_ptr + at[:, None] * HD + rd[None, :]) * its[:, None]
+            top = new_top
+        head = kvh * GROUP + g
+        tl.store(out_ptr + row * so_n + j[:, None] * so_t + head[:, None] * HD + rd[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
+
 
 def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Tensor | None = None, eps: float = 0.0,
             bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,6 +290,41 @@ def product(x: torch.Tensor, w: torch.Tensor, before: int = PLAIN, ln: torch.Ten
         out.stride(0), res.stride(0), BEFORE=before, BIAS=bias is not None, RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out.view(*lead, n)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+           splits: int | None = None) -> torch.Tensor:
+    """llama's `_attend` under its causal mask in one kernel (two where the slots are split): q [n, heads, t, hd]
+    over a window's keys and values [n, kv_heads, s, hd] (any strides but the last), query j of row i seeing
+    slots 0..positions[i, j]; -> [n, t, heads * hd]. A program takes a row's kv head, its query heads' tokens
+    stacked (each slot read once), and `splits` chunks of the slots (default: enough for WAVES programs per
+    multiprocessor, each over at least SPLIT_SLOTS slots), whose partial results a second kernel combines."""
+    n, heads, t, hd = q.shape
+    kv_heads, s = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    assert heads == group * kv_heads and hd & (hd - 1) == 0 and hd >= 16 and positions.shape == (n, t)
+    assert q.stride(-1) == keys.stride(-1) == values.stride(-1) == 1 and keys.dtype == values.dtype == q.dtype
+    block_q = max(16, 1 << (group * t - 1).bit_length())
+    block_s = 64 if hd <= 64 else 32
+    programs = n * kv_heads
+    if splits is None:
+        splits = max(1, min(triton.cdiv(s, SPLIT_SLOTS), triton.cdiv(WAVES * multiprocessors(q.device), programs)))
+    chunk = triton.cdiv(triton.cdiv(s, splits), block_s) * block_s
+    splits = triton.cdiv(s, chunk)
+    out = torch.empty((n, t, heads * hd), dtype=q.dtype, device=q.device)
+    positions = positions.to(torch.int64)
+    partial = splits > 1
+    parts = [torch.empty(programs * splits * block_q * size, dtype=torch.float32, device=q.device)
+             for size in (1, 1, hd)] if partial else [out] * 3  # (no partial results: never written)
+    args = (q.stride(0), q.stride(1), q.stride(2), *keys.stride()[:3], *values.stride()[:3], positions.stride(0),
+            out.stride(0), out.stride(1))
+    _attention[(programs, splits)](
+        q, keys, values, positions, out, *parts, t, s, chunk, hd ** -0.5, *args, GROUP=group, KV_HEADS=kv_heads, HD=hd,
+        IEEE=q.dtype == torch.float32, PARTIAL=partial, BLOCK_Q=block_q, BLOCK_S=block_s, num_warps=4)
+    if partial:
+        _combine[(programs,)](*parts, out, t, splits, out.stride(0), out.stride(1), GROUP=group, KV_HEADS=kv_heads,
+                              HD=hd, BLOCK_Q=block_q, num_warps=4)
+    return out
 
 
 def token_offsets(at: tuple, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -245,10 +363,11 @@ def qkv_rope(x: torch.Tensor, layer: llama.Layer, eps: float, cos: torch.Tensor,
 
 
 def pieces(norm: Callable = llama.rms_norm) -> llama.Pieces:
-    """What a step of at most MAX_TOKENS tokens runs between its attentions (`llama.Pieces`) with the fused kernels:
-    a layer's start in one (`qkv_rope`), its o_proj with the residual, gate/up with the norm before it and down with
-    SwiGLU before it and the residual after it (`product`), and the final `norm` (compiled where the caller
-    compiles). Not for a layer whose partial products are summed over ranks (`Layer.reduce`)."""
+    """What a step of at most MAX_TOKENS tokens runs with the fused kernels (`llama.Pieces`): a layer's start in one
+    (`qkv_rope`), its attention in one (`attend`, where the cache's view has none of its own), its o_proj with the
+    residual, gate/up with the norm before it and down with SwiGLU before it and the residual after it (`product`),
+    and the final `norm` (compiled where the caller compiles). Not for a layer whose partial products are summed
+    over ranks (`Layer.reduce`)."""
     kept: dict = {}  # the forward's `at` and where its tokens lie in a layer's cache (every layer writes there)
 
     def first(x, layer, cos, sin, heads, kv_heads, head_dim, eps, keys, values, at):
@@ -267,4 +386,7 @@ def pieces(norm: Callable = llama.rms_norm) -> llama.Pieces:
     def last(x, o, layer, final, eps):
         return norm(layer_out(x, layer, o, eps), final, eps)
 
-    return llama.Pieces(first, between, last)
+    def attention(q, keys, values, positions):
+        return attend(q, keys, values, positions)
+
+    return llama.Pieces(first, between, last, attention)

@@ -169,6 +169,9 @@ class Pieces:
     first: Callable
     between: Callable
     last: Callable
+    # attend(q, keys, values, positions) -> [n, t, heads * hd]: the pieces' own causal attention over a window
+    # (`_attend`'s, query j of row i seeing slots 0..positions[i, j]; None: `_attend` under the forward's mask)
+    attend: Callable | None = None
 
 
 def _first(x: torch.Tensor, layer: Layer, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
@@ -272,23 +275,29 @@ def forward(w: LlamaWeights, cache: KVCache, tokens: torch.Tensor, positions: to
     """Hidden states [n, t, d] after the final norm, for cache rows [start, start + n).
 
     Token j of row i is written at slot positions[i, j] (clamped into the cache's rows) and attends to slots
-    0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `pieces`
-    run between the attentions (`EAGER`, or compiled: every layer has the same shapes, so one compiled function
-    serves them all). A token tree (specdec/spec/trees.py) gives the `slots` its tokens are written at (default:
-    their positions) and its own `mask` [n, 1, t, >= kv_len]. `attend`: the cache's own attention where it has one
-    (a captured step's: `KVCache.view`), for chains.
+    0..positions[i, j] of its row, among the first `kv_len` slots. Shapes depend only on (n, t, kv_len). `pieces` run
+    between the attentions (`EAGER`, or compiled: every layer has the same shapes, so one compiled function serves them
+    all), and the attention where they have their own (`Pieces.attend`) and the cache's view does not. A token tree
+    (specdec/spec/trees.py) gives the `slots` its tokens are written at (default: their positions) and its own `mask`
+    [n, 1, t, >= kv_len]. `attend`: the cache's own attention where it has one (a captured step's: `KVCache.view`), for
+    chains.
     """
     n = tokens.shape[0]
     positions = positions.clamp(max=cache.max_len - 1)
     own = attend and slots is None and mask is None  # the queries sit at the slots they write
     kv = cache.view(start, start + n, positions if slots is None else slots.clamp(max=cache.max_len - 1), kv_len,
                     attend=own)
-    cos, sin, causal = _rope_and_mask(w, positions, None if kv.attends else kv_len)  # (the cache's own masks)
+    causal_own = pieces.attend if slots is None and mask is None and not kv.attends else None
+    cos, sin, causal = _rope_and_mask(w, positions, None if kv.attends or causal_own else kv_len)  # (their own masks)
     if mask is not None:
         causal = sdpa_mask(mask[..., :kv_len].repeat(1, 1, w.heads // w.kv_heads, 1), w.cos.dtype)
 
     def attention(index: int, q: torch.Tensor) -> torch.Tensor:
-        return kv.attend(index, q) if kv.attends else _attend(q, *kv.read(index), causal)
+        if kv.attends:
+            return kv.attend(index, q)
+        if causal_own is not None:
+            return causal_own(q, *kv.read(index), positions)
+        return _attend(q, *kv.read(index), causal)
 
     return _layers(w, embed(w, tokens), pieces, cos, sin, cache, kv.at, attention)
 

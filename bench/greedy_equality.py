@@ -14,6 +14,8 @@ itself: transformers' rows with the prompts batched (left-padded, as a user woul
                                     [--draft none]   (the target alone: --methods none,generator)
                                     [--cuda-path]    (a CPU down a GPU's code: static steps, compiled layer,
                                                       additive masks, drafting ahead, an H200's memory plan)
+                                    [--fused]        (steps of up to 8 tokens through specdec/exec/fused.py's
+                                                      kernels; a CPU needs triton and TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
@@ -121,13 +123,18 @@ def main():
                     help="run the engines (the Generator's too) down the CUDA path's code where no GPU is: the "
                          "static steps (as graphs are replayed), the compiled layer, additive attention masks, "
                          "drafting ahead at a cost, the memory plan of a device with an H200's memory")
+    ap.add_argument("--fused", action="store_true",
+                    help="the static steps (graphs on a GPU) of up to 8 tokens through the fused kernels "
+                         "(`ModelRunner.fuse_products`; on a CPU under TRITON_INTERPRET=1, slow)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    ModelRunner.fuse_products = args.fused
+    if args.cuda_path or args.fused:  # static steps (a caller's own value wins)
+        SpecEngine.__init__ = partialmethod(SpecEngine.__init__, step_graphs=True)
     if args.cuda_path:  # what a GPU's engine does differently, on this device
         ModelRunner.compile_layers = True
         llama.ADDITIVE_MASKS = {torch.device(args.device).type}
         Proposer.ahead_pays = property(lambda self: True)
-        SpecEngine.__init__ = partialmethod(SpecEngine.__init__, step_graphs=True)  # (a caller's own value wins)
         memory.device_memory = lambda device: (H200 - memory.GiB, H200)  # the caches a GPU's plan sizes
     if args.draft == "none" and not set(args.methods.split(",")) <= {"none", "generator"}:
         ap.error("--draft none: only --methods none and generator run without a draft")

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import step_speed  # noqa: E402
-from specdec.exec import fused, graphs  # noqa: E402
+from specdec.exec import fused  # noqa: E402
 from specdec.exec.cache import RaggedKVCache  # noqa: E402
 from specdec.exec.runner import ModelRunner  # noqa: E402
 
@@ -55,7 +55,6 @@ def count(layers: int, attention: bool) -> tuple[collections.Counter, collection
     step_speed.SHAPES["counted"] = dict(step_speed.SHAPES["smollm2"], num_hidden_layers=layers)
     model = step_speed.random_model("counted", "cpu", torch.float32)
     ModelRunner.fuse_products = True
-    graphs._COMPILED.pop("fused-False", None)
     runner = ModelRunner(model, RaggedKVCache(model, rows=1, max_len=256), model.lm_head.weight, graphs=True)
     if not attention:
         runner.fused = dataclasses.replace(runner.fused, attend=None)
